@@ -1,0 +1,124 @@
+"""The Flint model: the reference forward, and the jitted prefill/decode steps over the hybrid KV state.
+
+`forward(params, tokens, cfg)` is the oracle: full-sequence logits with no cache. `model_step` runs a chunk of T new
+tokens per sequence against the state (prefill is a few chunks; decode is T = 1) and returns the final hidden
+states; `lm_logits` turns hidden states into FP32 logits. Layers are a Python loop, so a jitted step is one flat
+program that XLA can capture whole (no `while` loop).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from flint_jax import layers as L
+from flint_jax.config import FlintConfig
+from flint_jax.params import Params
+from flint_jax.state import FullCache, KVState, RingCache, write_full, write_ring
+
+
+def check_tokens(tokens, cfg: FlintConfig) -> None:
+    """Host-side check that token ids are inside the vocabulary (a gather would silently clamp them)."""
+    import numpy as np
+    t = np.asarray(tokens)
+    if t.size and (t.min() < 0 or t.max() >= cfg.vocab_size):
+        bad = int(t[(t < 0) | (t >= cfg.vocab_size)].flat[0])
+        raise ValueError(f"token id {bad} is outside the vocabulary [0, {cfg.vocab_size})")
+
+
+def embed(params: Params, tokens: jax.Array) -> jax.Array:
+    return params.embed[tokens]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def forward(params: Params, tokens: jax.Array, cfg: FlintConfig) -> jax.Array:
+    """Reference full-sequence logits [B, T, V] FP32 for tokens [B, T] at positions 0..T-1. No cache; differentiable
+    with respect to params."""
+    B, T = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    h = embed(params, tokens)
+    for i, layer in enumerate(params.layers):
+        with jax.named_scope(f"layer{i}"):
+            sliding = cfg.is_sliding(i)
+            a = L.rmsnorm(h, layer.attn_norm, cfg.rms_norm_eps)
+            q, k, v = L.project_qkv(a, layer.attn, positions, cfg, sliding)
+            mask = L.attention_mask(positions, positions, cfg.sliding_window if sliding else None)
+            o = L.attend(q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), mask, layer.attn.sinks)
+            h = h + L.linear(o.reshape(B, T, -1), layer.attn.o)
+            h = L.mlp_block(h, layer, cfg)
+    return L.logits_from_hidden(h, params.final_norm, params.lm_head, cfg.rms_norm_eps)
+
+
+def attention_block(h: jax.Array, layer, cache, positions: jax.Array, valid: jax.Array, lengths_after: jax.Array,
+                    cfg: FlintConfig, sliding: bool):
+    """`h + Wo(attention(rmsnorm(h)))` for a chunk h [B, T, H] at `positions`, reading and updating the layer's
+    cache. Returns (h, cache)."""
+    B, T, _ = h.shape
+    a = L.rmsnorm(h, layer.attn_norm, cfg.rms_norm_eps)
+    q, k, v = L.project_qkv(a, layer.attn, positions, cfg, sliding)
+    q_pos = jnp.where(valid, positions, -1)
+    if sliding:
+        # Keys: what the ring held before this chunk, then the chunk itself.
+        keys = jnp.concatenate([cache.k, jnp.swapaxes(k, 1, 2)], axis=2)
+        vals = jnp.concatenate([cache.v, jnp.swapaxes(v, 1, 2)], axis=2)
+        k_pos = jnp.concatenate([cache.pos, q_pos], axis=1)
+        mask = L.attention_mask(q_pos, k_pos, cfg.sliding_window)
+        o = L.attend(q, keys, vals, mask, layer.attn.sinks)
+        cache = write_ring(cache, k, v, positions, valid)
+    else:
+        cache = write_full(cache, k, v, positions, valid)
+        S = cache.k.shape[2]
+        k_pos = jnp.where(jnp.arange(S)[None, :] < lengths_after[:, None], jnp.arange(S)[None, :], -1)
+        mask = L.attention_mask(q_pos, k_pos, None)
+        o = L.attend(q, cache.k, cache.v, mask, layer.attn.sinks)
+    return h + L.linear(o.reshape(B, T, -1), layer.attn.o), cache
+
+
+def model_step(params: Params, state: KVState, tokens: jax.Array, n_new: jax.Array, cfg: FlintConfig,
+               impl: str = "xla"):
+    """Run tokens [B, T] (row b's first n_new[b] are real) at positions lengths[b] + t.
+    Returns (hidden [B, T, H] BF16 after the last layer, new state). Not jitted itself: `steps` jits it."""
+    B, T = tokens.shape
+    t = jnp.arange(T, dtype=jnp.int32)[None, :]
+    positions = state.lengths[:, None] + t
+    valid = t < n_new[:, None]
+    lengths_after = state.lengths + n_new
+    blocks = _blocks(impl, T)
+    h = embed(params, tokens)
+    caches = []
+    for i, (layer, cache) in enumerate(zip(params.layers, state.layers)):
+        with jax.named_scope(f"layer{i}"):
+            h, cache = blocks.attention(h, layer, cache, positions, valid, lengths_after, cfg, cfg.is_sliding(i))
+            h = blocks.mlp(h, layer, cfg)
+        caches.append(cache)
+    return h, KVState(layers=tuple(caches), lengths=lengths_after)
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    """The two halves of a layer, as a decode path implements them."""
+    attention: callable
+    mlp: callable
+
+
+def _blocks(impl: str, T: int) -> Blocks:
+    if impl == "xla":
+        return Blocks(attention_block, L.mlp_block)
+    if impl == "pallas":
+        from flint_jax import pallas_path
+        return pallas_path.blocks(T)
+    raise ValueError(f"impl must be 'xla' or 'pallas', got {impl!r}")
+
+
+def lm_logits(params: Params, h: jax.Array, cfg: FlintConfig) -> jax.Array:
+    """FP32 logits from final hidden states."""
+    return L.logits_from_hidden(h, params.final_norm, params.lm_head, cfg.rms_norm_eps)
+
+
+def last_hidden(h: jax.Array, n_new: jax.Array) -> jax.Array:
+    """Each row's hidden state at its last real token: [B, T, H] -> [B, H]."""
+    idx = jnp.maximum(n_new - 1, 0)
+    return jnp.take_along_axis(h, idx[:, None, None], axis=1)[:, 0]
