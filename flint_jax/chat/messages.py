@@ -31,7 +31,7 @@ def _normalize_one(msg: Any, where: str) -> dict[str, Any]:
         raise ValueError(f"{where}.role: must be one of {', '.join(ROLES)}; got {role!r}")
     if role != "assistant":
         for field in ("tool_calls", "reasoning_content"):
-            if msg.get(field) is not None:
+            if msg.get(field):  # an empty list or string is as good as absent
                 raise ValueError(f"{where}.{field}: only assistant messages may have {field}")
         if msg.get("content") is None:
             raise ValueError(f"{where}.content: required for role {role!r}")
