@@ -232,6 +232,9 @@ class IncrementalDecoder:
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def feed(self, token_id: int) -> str:
+        # A model's vocabulary is often padded past the tokenizer's; like `decode`, such ids add no text.
+        if not 0 <= int(token_id) < self._tok.vocab_size:
+            return ""
         return self._utf8.decode(self._tok.token_bytes(int(token_id), self._skip))
 
     def flush(self) -> str:

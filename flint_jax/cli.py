@@ -1,0 +1,92 @@
+"""The `flint` command line: `flint generate` (and `flint chat`, see flint_jax/chat_cli.py).
+
+Exit codes: 0 success, 1 a runtime error (bad model file, bad prompt), 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from flint_jax.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default: 64)")
+    p.add_argument("--temperature", type=float, default=DEFAULT_TEMPERATURE,
+                   help=f"0 = greedy (default: {DEFAULT_TEMPERATURE})")
+    p.add_argument("--top-p", type=float, default=DEFAULT_TOP_P, help=f"nucleus mass (default: {DEFAULT_TOP_P})")
+    p.add_argument("--top-k", type=int, default=DEFAULT_TOP_K, help=f"0 = off (default: {DEFAULT_TOP_K})")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default",
+                   help="a Flint GGUF file, a Hugging Face directory, a converted checkpoint, or 'default' "
+                        "(the model shipped with flint-jax)")
+    p.add_argument("--impl", choices=("xla", "pallas"), default="xla",
+                   help="decode path: the XLA reference or the fused Pallas kernels (default: xla)")
+    p.add_argument("--max-len", type=int, default=None,
+                   help="longest sequence a request may reach (default: min(2048, the model's context))")
+
+
+def resolve_max_len(args, rt) -> int:
+    return args.max_len if args.max_len is not None else min(2048, rt.cfg.max_position_embeddings)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flint", description="Run Flint with JAX.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    gen = sub.add_parser("generate", help="complete a prompt", description="Complete a raw text prompt.")
+    add_model_args(gen)
+    gen.add_argument("--prompt", default="Hello", help="prompt text (default: 'Hello')")
+    add_sampling_args(gen)
+    from flint_jax import chat_cli
+    chat_cli.add_parser(sub)
+    return parser
+
+
+def run_generate(args) -> int:
+    from flint_jax.chat import IncrementalDecoder
+    from flint_jax.engine import Engine
+    from flint_jax.runtime import load_runtime
+    from flint_jax.sampling import SamplingParams
+
+    rt = load_runtime(args.model, announce=lambda m: print(m, file=sys.stderr))
+    prompt_ids = rt.tokenizer.encode(args.prompt)
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                              max_tokens=args.max_tokens, seed=args.seed, stop_token_ids=rt.stop_token_ids)
+    engine = Engine(rt.cfg, rt.params, max_batch=1, max_len=resolve_max_len(args, rt), impl=args.impl)
+    decoder = IncrementalDecoder(rt.tokenizer)
+    sys.stdout.write(args.prompt)
+    t0 = time.perf_counter()
+    result = engine.generate([prompt_ids], sampling,
+                             on_token=lambda ev: sys.stdout.write(decoder.feed(ev.token)) and sys.stdout.flush())[0]
+    sys.stdout.write(decoder.flush() + "\n")
+    dt = time.perf_counter() - t0
+    print(f"[{len(result.tokens)} tokens, finish: {result.finish_reason}, TTFT {result.ttft_s * 1e3:.0f} ms, "
+          f"{result.decode_ms_per_token:.1f} ms/token, total {dt:.2f} s]", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        if args.command == "generate":
+            return run_generate(args)
+        from flint_jax import chat_cli
+        return chat_cli.run(args)
+    except (ValueError, OSError) as e:
+        print(f"flint {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
