@@ -1,0 +1,300 @@
+"""Decode benchmark at the Flint shape: model forward and served ms/token for both impls, against the roofline.
+
+Builds `FlintConfig.flint()` with synthetic weights directly on the device (no checkpoint file), fills the KV state
+to the requested context with random values, and times the jitted decode step. For each point it reports ms, the
+bytes a step must read (active weights + KV, from the config), the achieved fraction of the HBM bandwidth measured
+in the same run, and the number of kernels in the compiled step.
+
+    python scripts/bench_decode.py --out results/            # the full GPU run (one H200)
+    python scripts/bench_decode.py --tiny --out /tmp/bench   # CPU smoke test of the same code path
+
+One compiled program serves every context for a given (weights, impl, batch): the state is allocated for the
+largest context and only `lengths` changes. The Pallas path skips cache blocks beyond each sequence's length; the
+XLA reference reads the whole allocation, so its points are taken with an allocation sized to the context.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import os
+import re
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import flint_jax  # noqa: E402,F401  (XLA flags before JAX starts)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from flint_jax import model as M  # noqa: E402
+from flint_jax.config import FlintConfig  # noqa: E402
+from flint_jax.params import init_params, weight_bytes_per_token  # noqa: E402
+from flint_jax.sampling import sample  # noqa: E402
+from flint_jax.state import FullCache, KVState, RingCache, kv_bytes_read  # noqa: E402
+
+VLLM_GB200 = {"nvfp4_forward_ms": 1.78, "bf16_forward_ms": 2.34, "served_ms": 2.06, "kernels": 346,
+              "prefill_8k_ms": 145}
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ---- measurements --------------------------------------------------------------------------------------------
+def hbm_bandwidth(n_bytes: int = 4 << 30) -> dict:
+    """Streaming bandwidth: a large read-only reduction, and a copy (read + write), in GB/s."""
+    x = jax.random.uniform(jax.random.key(0), (n_bytes // 4,), jnp.float32)
+    red = jax.jit(lambda a: jnp.sum(a))
+    cpy = jax.jit(lambda a: a * 1.0001)
+    out = {}
+    for name, fn, moved in (("read", red, n_bytes), ("copy", cpy, 2 * n_bytes)):
+        fn(x).block_until_ready()
+        ts = []
+        for _ in range(10):
+            t = time.perf_counter()
+            fn(x).block_until_ready()
+            ts.append(time.perf_counter() - t)
+        out[f"{name}_GBps"] = moved / statistics.median(ts) / 1e9
+    del x
+    return out
+
+
+def count_kernels(compiled) -> int:
+    """Kernel-launching instructions in the compiled program's entry computation (fusions, custom calls such as
+    Pallas kernels, library calls); parameters, tuples, bitcasts and constants launch nothing."""
+    text = compiled.as_text()
+    entry = text[text.index("ENTRY"):]
+    entry = entry[: entry.index("\n}\n")] if "\n}\n" in entry else entry
+    skip = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all", "partition-id",
+            "replica-id"}
+    n = 0
+    for line in entry.splitlines()[1:]:
+        m = re.search(r"=\s*[^ ]+(?:\{[^}]*\})?\s+([a-z\-]+)\(", line)
+        if m and m.group(1) not in skip:
+            n += 1
+    return n
+
+
+def random_state(cfg: FlintConfig, batch: int, max_len: int, context: int, key) -> KVState:
+    """A state holding `context` tokens per sequence, with random K/V (never time on zeros)."""
+    KV, D, W = cfg.num_key_value_heads, cfg.head_dim, cfg.sliding_window
+
+    @jax.jit
+    def make(key):
+        layers = []
+        for i in range(cfg.num_hidden_layers):
+            key, k1, k2 = jax.random.split(key, 3)
+            if cfg.is_sliding(i):
+                shape = (batch, KV, W, D)
+                slot_pos = jnp.arange(W)
+                # slot s holds the latest position p < context with p % W == s
+                pos = context - 1 - ((context - 1 - slot_pos) % W)
+                pos = jnp.where(pos >= 0, pos, -1).astype(jnp.int32)
+                layers.append(RingCache(jax.random.normal(k1, shape, jnp.bfloat16),
+                                        jax.random.normal(k2, shape, jnp.bfloat16),
+                                        jnp.broadcast_to(pos, (batch, W))))
+            else:
+                shape = (batch, KV, max_len, D)
+                layers.append(FullCache(jax.random.normal(k1, shape, jnp.bfloat16),
+                                        jax.random.normal(k2, shape, jnp.bfloat16)))
+        return KVState(tuple(layers), jnp.full((batch,), context, jnp.int32))
+    return make(key)
+
+
+def make_steps(cfg: FlintConfig, impl: str):
+    # Each step starts from `lengths` (the benchmark's context), so repeated steps all run at that context.
+    @functools.partial(jax.jit, donate_argnums=(1,))
+    def forward(params, state, tokens, lengths):
+        state = dataclasses.replace(state, lengths=lengths)
+        h, state = M.model_step(params, state, tokens[:, None], jnp.ones_like(tokens), cfg, impl=impl)
+        return h[:, 0], state
+
+    @functools.partial(jax.jit, donate_argnums=(1,))
+    def served(params, state, tokens, lengths, keys):
+        state = dataclasses.replace(state, lengths=lengths)
+        h, state = M.model_step(params, state, tokens[:, None], jnp.ones_like(tokens), cfg, impl=impl)
+        logits = M.lm_logits(params, h[:, 0], cfg)
+        B = tokens.shape[0]
+        nxt = sample(logits, keys, jnp.ones(B), jnp.full((B,), 20, jnp.int32), jnp.full((B,), 0.95))
+        return nxt, state
+    return forward, served
+
+
+def time_steps(step, params, state, tokens, extra, iters: int, context: int):
+    """Median ms per step over `iters` steps enqueued back to back, each at `context` tokens."""
+    lengths = jnp.full((tokens.shape[0],), context, jnp.int32)
+    ts = []
+    out = None
+    for _ in range(3):  # warm-up
+        out, state = step(params, state, tokens, lengths, *extra)
+    jax.block_until_ready(out)
+    reps = 5
+    for _ in range(reps):
+        t = time.perf_counter()
+        for _ in range(iters):
+            out, state = step(params, state, tokens, lengths, *extra)
+        jax.block_until_ready(out)
+        ts.append((time.perf_counter() - t) / iters)
+    return statistics.median(ts) * 1e3, state
+
+
+def expected_expert_fraction(cfg: FlintConfig, batch: int) -> float:
+    """Expected fraction of routed experts a batch touches (independent uniform routing)."""
+    k, E = cfg.num_experts_per_tok, cfg.n_routed_experts
+    return 1 - (1 - k / E) ** batch
+
+
+def bytes_per_step(cfg: FlintConfig, weights: str, batch: int, context: int) -> int:
+    one = weight_bytes_per_token(cfg, weights)
+    if batch > 1:  # more distinct experts are read as the batch grows
+        from flint_jax.params import weight_bytes_per_token as w
+        full = w(cfg.replace(num_experts_per_tok=cfg.n_routed_experts), weights)
+        routed_all = full - one
+        frac1 = cfg.num_experts_per_tok / cfg.n_routed_experts
+        routed_one = routed_all * frac1 / (1 - frac1)
+        one = one - routed_one + (routed_all + routed_one) * expected_expert_fraction(cfg, batch)
+    return int(one + batch * kv_bytes_read(cfg, context))
+
+
+# ---- main ----------------------------------------------------------------------------------------------------
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="directory for results.json and results.md")
+    ap.add_argument("--tiny", action="store_true", help="FlintConfig.tiny() smoke run (CPU)")
+    ap.add_argument("--weights", default="nvfp4,bf16")
+    ap.add_argument("--impls", default="xla,pallas")
+    ap.add_argument("--batches", default="1,2,4,8")
+    ap.add_argument("--contexts", default="8192,32768,100000,262144")
+    ap.add_argument("--xla-points", default="1:8192,1:100000",
+                    help="batch:context points for the XLA reference (each compiles its own program)")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new points after this many seconds")
+    args = ap.parse_args(argv)
+    t_start = time.time()
+    os.makedirs(args.out, exist_ok=True)
+
+    cfg = FlintConfig.tiny() if args.tiny else FlintConfig.flint()
+    contexts = [int(c) for c in args.contexts.split(",")]
+    batches = [int(b) for b in args.batches.split(",")]
+    if args.tiny:
+        contexts = [min(c, cfg.max_position_embeddings - 8) for c in (16, 100, 400)]
+        args.xla_points = "1:100"
+        args.iters = 3
+    xla_points = [tuple(int(v) for v in p.split(":")) for p in args.xla_points.split(",") if p]
+    dev = jax.devices()[0]
+    log(f"device: {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}")
+    results = {"device": dev.device_kind, "jax": jax.__version__, "config": "tiny" if args.tiny else "flint",
+               "date": time.strftime("%Y-%m-%d"), "points": []}
+    results["hbm"] = hbm_bandwidth(256 << 20 if args.tiny else 4 << 30)
+    peak = results["hbm"]["read_GBps"]
+    log(f"HBM: read {peak:.0f} GB/s, copy {results['hbm']['copy_GBps']:.0f} GB/s")
+
+    def over_budget():
+        return time.time() - t_start > args.budget_s
+
+    for weights in args.weights.split(","):
+        t = time.time()
+        params = init_params(cfg, jax.random.key(1), weights)  # eager: one small program per leaf shape
+        jax.block_until_ready(params)
+        log(f"{weights}: synthetic params built in {time.time() - t:.1f}s")
+        for impl in args.impls.split(","):
+            forward, served = make_steps(cfg, impl)
+            if impl == "xla":
+                plan = [(b, [c]) for b, c in xla_points]  # allocation sized to the context
+            else:
+                plan = [(b, contexts) for b in batches]
+            for batch, ctxs in plan:
+                if over_budget():
+                    log("budget reached: stopping")
+                    break
+                max_len = max(ctxs) + 8
+                kv_gb = batch * (len(cfg.full_layers) * max_len * 2 * cfg.num_key_value_heads * cfg.head_dim * 2) / 1e9
+                if not args.tiny and kv_gb > 40:
+                    ctxs = [c for c in ctxs if c <= 100_000]
+                    max_len = max(ctxs) + 8
+                state = random_state(cfg, batch, max_len, ctxs[0], jax.random.key(2))
+                tokens = jnp.arange(batch, dtype=jnp.int32) + 7
+                keys = jax.random.split(jax.random.key(3), batch)
+                t = time.time()
+                lowered = forward.lower(params, state, tokens, state.lengths)
+                compiled = lowered.compile()
+                kernels = count_kernels(compiled)
+                log(f"{weights}/{impl} B={batch}: compiled forward in {time.time() - t:.1f}s, {kernels} kernels")
+                for ctx in ctxs:
+                    if over_budget():
+                        break
+                    fwd_ms, state = time_steps(forward, params, state, tokens, (), args.iters, ctx)
+                    point = {"weights": weights, "impl": impl, "batch": batch, "context": ctx,
+                             "forward_ms": fwd_ms, "kernels": kernels,
+                             "bytes": bytes_per_step(cfg, weights, batch, ctx)}
+                    point["roofline_ms"] = point["bytes"] / (peak * 1e9) * 1e3
+                    point["hbm_fraction"] = point["roofline_ms"] / fwd_ms
+                    if batch == 1 and ctx in (100_000, max(ctxs)):
+                        srv_ms, state = time_steps(served, params, state, tokens, (keys,), args.iters, ctx)
+                        point["served_ms"] = srv_ms
+                    results["points"].append(point)
+                    log(f"  ctx {ctx:>6}: forward {fwd_ms:.3f} ms"
+                        + (f", served {point['served_ms']:.3f} ms" if "served_ms" in point else "")
+                        + f", {point['bytes'] / 1e9:.2f} GB -> {100 * point['hbm_fraction']:.0f}% of HBM")
+                    with open(os.path.join(args.out, "results.json"), "w") as f:
+                        json.dump(results, f, indent=1)
+                del state
+        del params
+    write_markdown(results, os.path.join(args.out, "results.md"))
+    write_plot(results, os.path.join(args.out, "latency_vs_context.png"))
+    log(f"done in {time.time() - t_start:.0f}s")
+    return 0
+
+
+def write_markdown(results: dict, path: str) -> None:
+    lines = [f"Device: {results['device']}, jax {results['jax']}, config {results['config']}, {results['date']}. "
+             f"HBM measured: read {results['hbm']['read_GBps']:.0f} GB/s, copy {results['hbm']['copy_GBps']:.0f} GB/s.",
+             "", "| weights | impl | batch | context | forward ms | served ms | kernels | GB/step | roofline ms | % HBM |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for p in results["points"]:
+        srv = f"{p['served_ms']:.3f}" if "served_ms" in p else ""
+        lines.append(f"| {p['weights']} | {p['impl']} | {p['batch']} | {p['context']} | {p['forward_ms']:.3f} | {srv} "
+                     f"| {p['kernels']} | {p['bytes'] / 1e9:.2f} | {p['roofline_ms']:.3f} | "
+                     f"{100 * p['hbm_fraction']:.0f}% |")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def write_plot(results: dict, path: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib not installed: no plot")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for weights in sorted({p["weights"] for p in results["points"]}):
+        for impl in sorted({p["impl"] for p in results["points"]}):
+            pts = sorted((p["context"], p["forward_ms"]) for p in results["points"]
+                         if p["weights"] == weights and p["impl"] == impl and p["batch"] == 1)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=f"{weights} {impl}")
+        roof = sorted((p["context"], p["roofline_ms"]) for p in results["points"]
+                      if p["weights"] == weights and p["batch"] == 1)
+        if roof:
+            ax.plot(*zip(*roof), linestyle="--", color="gray", label=f"{weights} HBM roofline")
+    ax.set_xscale("log")
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("decode forward, batch 1 (ms)")
+    ax.set_title(f"Flint decode on {results['device']}")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
