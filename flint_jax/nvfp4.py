@@ -100,3 +100,192 @@ def abstract(shape: tuple[int, ...]) -> NVFP4Weight:
     return NVFP4Weight(jax.ShapeDtypeStruct((*lead, n, k // 2), jnp.uint8),
                        jax.ShapeDtypeStruct((*lead, n, k // BLOCK), jnp.float8_e4m3fn),
                        jax.ShapeDtypeStruct(tuple(lead), jnp.float32))
+
+
+# ---- GGUF / ggml format: block repack and the reference quantizer -----------------------------------------------
+# A GGUF NVFP4 row of K values is K/64 blocks of 36 bytes: 4 UE4M3 scale bytes (one per 16 values), then for each
+# of the 4 sub-blocks 8 bytes whose byte j holds value j (low nibble) and value j + 8 (high nibble) of that
+# sub-block. The functions below are host-side numpy (the converter streams tensors through them).
+#
+# Canonical form. ggml's decoder (and gguf.quants.dequantize) ignores bit 7 of a scale byte, reads 0x00 and 0x7F as
+# 0 and reads E2M1 code 8 ("-0") as +0. Our layout keeps the scale as a float8_e4m3fn byte, where 0x7F is NaN and
+# bit 7 is a sign, so a repack stores the canonical byte: bit 7 cleared, 0x7F -> 0x00, and code 8 -> code 0. Every
+# value is unchanged, bit for bit in FP32 (docs/NVFP4_LAYOUT.md). 0xFF is refused: gguf 0.19 decodes it as 480
+# (its `== 0x7F` test does not see it), ggml's C decoder as 0, and no quantizer writes it.
+
+GGUF_BLOCK_BYTES = 36
+_CHUNK_VALUES = 1 << 22  # values per numpy pass: bounds temporaries to tens of MB whatever the tensor size
+
+# Midpoints between consecutive E2M1 magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6}, in units of the block scale.
+_E2M1_MIDPOINTS = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=np.float32)
+
+
+class NVFP4FormatError(ValueError):
+    """NVFP4 bytes or values our layout cannot hold exactly; `block` is the flat block index, when known."""
+
+    def __init__(self, message: str, block: int | None = None):
+        super().__init__(message)
+        self.block = block
+
+
+def _row_chunks(rows: int, row_values: int):
+    step = max(1, _CHUNK_VALUES // max(row_values, 1))
+    for r0 in range(0, rows, step):
+        yield r0, min(rows, r0 + step)
+
+
+def from_gguf_blocks(blocks: np.ndarray, global_scale: np.ndarray | float | None = None) -> NVFP4Weight:
+    """GGUF NVFP4 bytes `[..., N, K/64 * 36]` (uint8, as the gguf reader exposes them) -> an `NVFP4Weight` of numpy
+    arrays in the kernel layout, canonicalised as described above. Lossless: `dequantize_f32` of the result equals
+    `gguf.quants.dequantize` of `blocks` (times the global scale) bit for bit. `global_scale`: None (1.0), a scalar,
+    or an array of the leading shape `[...]`. Raises NVFP4FormatError on scale byte 0xFF."""
+    blocks = np.asarray(blocks)
+    if blocks.dtype != np.uint8 or blocks.ndim < 2 or blocks.shape[-1] % GGUF_BLOCK_BYTES:
+        raise NVFP4FormatError(f"expected uint8 GGUF NVFP4 blocks [..., N, K/64*36], got {blocks.dtype} {blocks.shape}")
+    *lead, n, row_bytes = blocks.shape
+    nb = row_bytes // GGUF_BLOCK_BYTES
+    k = nb * GGUF_BLOCK
+    flat = blocks.reshape(-1, nb, GGUF_BLOCK_BYTES)
+    codes = np.empty((flat.shape[0], k // 2), np.uint8)
+    scales = np.empty((flat.shape[0], k // BLOCK), np.uint8)
+    for r0, r1 in _row_chunks(flat.shape[0], k):
+        b = flat[r0:r1]
+        sc = b[:, :, :4].reshape(r1 - r0, k // BLOCK)
+        bad = np.flatnonzero(sc == 0xFF)
+        if bad.size:
+            i = r0 * (k // BLOCK) + int(bad[0])
+            blk = i // 4
+            raise NVFP4FormatError(
+                f"scale byte 0xFF in block {blk} (row {blk // nb}, values {(blk % nb) * GGUF_BLOCK}.."
+                f"{(blk % nb) * GGUF_BLOCK + GGUF_BLOCK - 1}): ggml's decoders disagree on it (gguf 0.19 reads 480, "
+                "ggml's C reads 0) and no quantizer writes it", block=blk)
+        sc = sc & 0x7F
+        sc[sc == 0x7F] = 0
+        scales[r0:r1] = sc
+        qs = b[:, :, 4:].reshape(r1 - r0, nb, 4, 8)
+        vals = np.concatenate([qs & 0xF, qs >> 4], axis=-1).reshape(r1 - r0, k)  # value order within the row
+        vals[vals == 8] = 0
+        codes[r0:r1] = pack_codes(vals)
+    gs = np.ones(tuple(lead), np.float32) if global_scale is None else \
+        np.broadcast_to(np.asarray(global_scale, np.float32), tuple(lead)).copy()
+    return NVFP4Weight(codes.reshape(*lead, n, k // 2), scales.view(jnp.float8_e4m3fn).reshape(*lead, n, k // BLOCK),
+                       gs)
+
+
+def to_gguf_blocks(w: NVFP4Weight) -> np.ndarray:
+    """The inverse of `from_gguf_blocks` (global scale aside): kernel layout -> GGUF NVFP4 bytes `[..., N, K/64*36]`.
+    Codes are written as they are; scales must be UE4M3 values (no sign, no NaN), else NVFP4FormatError."""
+    packed = np.asarray(w.codes)
+    sc_all = np.asarray(w.scales).view(np.uint8)
+    *lead, n, half = packed.shape
+    k = 2 * half
+    check_shape((*lead, n, k))
+    nb = k // GGUF_BLOCK
+    packed, sc_all = packed.reshape(-1, half), sc_all.reshape(-1, k // BLOCK)
+    out = np.empty((packed.shape[0], nb, GGUF_BLOCK_BYTES), np.uint8)
+    for r0, r1 in _row_chunks(packed.shape[0], k):
+        sc = sc_all[r0:r1]
+        sc = np.where(sc == 0x80, np.uint8(0), sc)  # -0 is 0
+        bad = np.flatnonzero((sc & 0x80) | (sc == 0x7F))
+        if bad.size:
+            i = r0 * (k // BLOCK) + int(bad[0])
+            raise NVFP4FormatError(f"scale {sc.flat[int(bad[0])]:#04x} at row {i // (k // BLOCK)}, group "
+                                   f"{i % (k // BLOCK)} is negative or NaN: UE4M3 cannot hold it", block=i // 4)
+        vals = unpack_codes(packed[r0:r1]).reshape(r1 - r0, nb, 4, 16)
+        out[r0:r1, :, :4] = sc.reshape(r1 - r0, nb, 4)
+        out[r0:r1, :, 4:] = (vals[..., :8] | (vals[..., 8:] << 4)).reshape(r1 - r0, nb, 32)
+    return out.reshape(*lead, n, nb * GGUF_BLOCK_BYTES)
+
+
+def ue4m3_encode(x: np.ndarray) -> np.ndarray:
+    """ggml_fp32_to_ue4m3 (ggml-impl.h), elementwise: FP32 -> UE4M3 byte. Mantissa rounds half up on the 4th bit;
+    subnormals round `int(x * 512 + 0.5)`; every value from 256 up (exponent 15) becomes 0x7E (448); <= 0 -> 0."""
+    x = np.minimum(np.asarray(x, np.float32), np.float32(448.0))
+    bits = x.view(np.uint32)
+    exp = ((bits >> 23) & 0xFF).astype(np.int32) - 127 + 7  # before rounding: ggml picks the branch on this
+    man = ((bits >> 20) & 0x7).astype(np.int32) + ((bits >> 19) & 1).astype(np.int32)
+    carried = np.where(man > 7, exp + 1, exp)
+    normal = np.where(carried >= 15, 0x7E, (np.clip(carried, 0, 15) << 3) | np.where(man > 7, 0, man))
+    sub = np.minimum((x * np.float32(512.0) + np.float32(0.5)).astype(np.int32), 7)
+    out = np.where(exp <= 0, sub, normal)
+    return np.where(x > 0, out, 0).astype(np.uint8)
+
+
+def ue4m3_decode(b: np.ndarray) -> np.ndarray:
+    """UE4M3 byte -> FP32 scale value (the E4M3 value of the byte; ggml's decoder is this times 0.5)."""
+    return np.asarray(b, np.uint8).view(jnp.float8_e4m3fn).astype(np.float32)
+
+
+def quantize_gguf_blocks(x: np.ndarray, divisor: float | None = None) -> np.ndarray:
+    """quantize_row_nvfp4_ref (ggml-quants.c) on rows of x `[..., K]` (K a multiple of 64) -> GGUF NVFP4 bytes
+    `[..., K/64 * 36]`. Per 16 values: scale byte = ue4m3_encode(amax / 6) and each value takes the nearest of
+    scale x E2M1, ties to the smaller magnitude, and code 0 (never 8) for zero: ggml's first-index argmin over its
+    table {0, .5, ..., 6, -0, -.5, ..., -6} (its differences are exact there, so nearest is decided exactly).
+    `divisor`: quantize `float32(x) / divisor` instead (a global scale), computed chunk by chunk."""
+    x = np.asarray(x)
+    if x.ndim < 1 or x.shape[-1] % GGUF_BLOCK:
+        raise NVFP4FormatError(f"NVFP4 needs a row length that is a multiple of {GGUF_BLOCK}, got shape {x.shape}")
+    *lead, k = x.shape
+    rows = x.reshape(-1, k)
+    nb = k // GGUF_BLOCK
+    out = np.empty((rows.shape[0], nb, GGUF_BLOCK_BYTES), np.uint8)
+    for r0, r1 in _row_chunks(rows.shape[0], k):
+        xb = rows[r0:r1].astype(np.float32).reshape(r1 - r0, k // BLOCK, BLOCK)
+        if divisor is not None and divisor != 1.0:
+            xb = xb / np.float32(divisor)
+        if not np.isfinite(xb).all():
+            i = int(np.flatnonzero(~np.isfinite(xb))[0])
+            raise NVFP4FormatError(f"non-finite value {xb.flat[i]} at row {r0 + i // k}, column {i % k}",
+                                   block=(r0 * k + i) // GGUF_BLOCK)
+        mag = np.abs(xb)
+        sc = ue4m3_encode(mag.max(axis=-1) / np.float32(6.0))  # [r, K/16]
+        s = ue4m3_decode(sc)[..., None]
+        idx = (mag[..., None] > _E2M1_MIDPOINTS * s[..., None]).sum(axis=-1, dtype=np.uint8)  # magnitude code 0..7
+        idx = np.where(s > 0, idx, 0)
+        codes = np.where((xb < 0) & (idx > 0), idx | 8, idx).astype(np.uint8)  # [r, K/16, 16]
+        out[r0:r1, :, :4] = sc.reshape(r1 - r0, nb, 4)
+        out[r0:r1, :, 4:] = (codes[..., :8] | (codes[..., 8:] << 4)).reshape(r1 - r0, nb, 32)
+    return out.reshape(*lead, nb * GGUF_BLOCK_BYTES)
+
+
+def pow2_global_scale(x: np.ndarray, lead_dims: int = 0) -> np.ndarray:
+    """A power-of-two global scale per tensor (or per leading index, e.g. per expert) that puts the largest block
+    scale in [128, 256), the top octave that ue4m3_encode does not collapse. Dividing by a power of two is exact, so
+    quantizing x / gs is ggml's rounding of a shifted exponent range; it keeps small weights (std ~0.02, whose
+    amax / 6 would land in UE4M3's 3-bit subnormals) at full 4-bit scale precision. All-zero tensors get 1.0."""
+    flat = np.asarray(x).reshape(*x.shape[:lead_dims], -1)
+    amax = np.maximum(flat.max(axis=-1).astype(np.float32), -flat.min(axis=-1).astype(np.float32))  # no |x| copy
+    with np.errstate(divide="ignore"):
+        e = np.floor(np.log2(amax / np.float32(6.0))) - 7
+    return np.where(amax > 0, np.exp2(e), 1.0).astype(np.float32)
+
+
+def quantize(x: np.ndarray, global_scale: np.ndarray | float | str | None = None) -> NVFP4Weight:
+    """FP32/BF16 weight `[..., N, K]` -> `NVFP4Weight` of numpy arrays, with ggml's reference rounding of
+    `x / global_scale`. `global_scale`: None (1.0, bytes identical to ggml's quantize_row_nvfp4_ref), a scalar or
+    `[...]` array, or "pow2" (see `pow2_global_scale`, one per leading index)."""
+    x = np.asarray(x)
+    check_shape(x.shape)
+    lead = x.shape[:-2]
+    if isinstance(global_scale, str):
+        if global_scale != "pow2":
+            raise ValueError(f"global_scale must be None, a number, an array or 'pow2', got {global_scale!r}")
+        gs = pow2_global_scale(x, len(lead))
+    else:
+        gs = np.broadcast_to(np.asarray(1.0 if global_scale is None else global_scale, np.float32), lead).copy()
+    # One leading index (e.g. one expert) at a time: temporaries stay a few MB whatever the stack size.
+    rows = x.reshape(-1, *x.shape[-2:])
+    n, k = x.shape[-2:]
+    codes = np.empty((rows.shape[0], n, k // 2), np.uint8)
+    scales = np.empty((rows.shape[0], n, k // BLOCK), jnp.float8_e4m3fn)
+    for i, g in enumerate(gs.reshape(-1)):
+        w = from_gguf_blocks(quantize_gguf_blocks(rows[i], divisor=float(g)))
+        codes[i], scales[i] = w.codes, w.scales
+    return NVFP4Weight(codes.reshape(*lead, n, k // 2), scales.reshape(*lead, n, k // BLOCK), gs)
+
+
+def dequantize_np(w: NVFP4Weight) -> np.ndarray:
+    """Host-side `dequantize_f32`: FP32 values including the global scale, same arithmetic."""
+    vals = E2M1_VALUES[unpack_codes(np.asarray(w.codes))]
+    sc = np.repeat(np.asarray(w.scales).astype(np.float32), BLOCK, axis=-1)
+    return (vals * sc) * np.asarray(w.global_scale, np.float32)[..., None, None]
