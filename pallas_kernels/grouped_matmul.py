@@ -1,0 +1,327 @@
+"""Grouped-expert GEMM for many tokens (prefill): rows sorted by expert against stacked expert weights.
+
+    grouped_matmul(x, w, group_sizes)          y[r] = bf16(f32acc(x[r] @ W[e(r)].T) * gs[e(r)])      [R, N]
+    grouped_swiglu(x, gate, up, group_sizes)   layers.swiglu of the two grouped linears, fused         [R, I]
+
+x [R, K] bf16 holds the (token, expert) pairs sorted by expert: the first group_sizes[0] rows go to expert 0, the
+next group_sizes[1] to expert 1, and so on (layers.routed_experts_grouped builds exactly this). w is a stacked
+Linear [E, N, K]: BF16, or NVFP4 (flint_jax.nvfp4 kernel layout) dequantized in registers. Rows past
+sum(group_sizes) are not computed and read as unspecified.
+
+Schedule ("visits", as in megablox's gmm). The rows are cut into aligned tiles of BM rows; a tile that straddles a
+group boundary is visited once per group it holds. `group_layout` lists the visits (at most R/BM + E) as
+(expert, tile start, first row, end row); program (j, v) computes rows [tile, tile + BM) x columns [j*BN, j*BN+BN)
+with expert e_v's weights and stores only rows [first, end) (a masked store, so the visits of one tile write
+disjoint rows). Visits past the real count do nothing. Only the selected experts' work is done: an empty expert
+has no visit, and all tokens on one expert is R/BM visits of that expert.
+
+NVFP4 decode (integer ops only; the Triton lowering has no fp4/fp8 conversions we rely on): an E2M1 code
+c = s e e m becomes the f16 bit pattern (c & 7) << 9 | (c & 8) << 12, which is exactly E2M1(c) * 2^-14 (the code
+0.5 is an f16 subnormal, still exact), and an E4M3 byte b becomes (b & 0x7f) << 7 | (b & 0x80) << 8, exactly
+E4M3(b) * 2^-8. The f32 product times 2^22 is the weight value, exact in BF16 (at most 6 significant bits), so the
+tensor-core dot sees the same BF16 weights as the reference. A K step of BK bytes of codes covers values
+[c0, c0 + BK) (low nibbles) and [K/2 + c0, K/2 + c0 + BK) (high nibbles): two dots against two x slices.
+
+Numerics: FP32 accumulation in tiles of K; the reference sums the same exact products in another order, so a BF16
+output can differ from `ref_grouped_matmul` by one ulp where the FP32 sum sits on a rounding boundary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from flint_jax import layers as L
+from flint_jax import nvfp4
+from flint_jax.nvfp4 import NVFP4Weight
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+GROUP = nvfp4.BLOCK  # values per E4M3 scale
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """Tile sizes: bm rows, bn output columns, bk K values per step (NVFP4: per half, i.e. bytes of codes)."""
+    bm: int
+    bn: int
+    bk: int
+    num_warps: int
+    num_stages: int
+
+
+# Starting points for the H200 (Hopper wgmma through Triton); scripts/bench_prefill.py sweeps alternatives.
+# NVFP4 uses BM = 128: the decode of a weight tile is amortised over more rows.
+BLOCKS = {
+    ("bf16", "linear"): Block(64, 128, 64, 4, 3),
+    ("bf16", "swiglu"): Block(64, 128, 64, 8, 3),
+    ("nvfp4", "linear"): Block(128, 128, 64, 8, 3),
+    ("nvfp4", "swiglu"): Block(128, 64, 64, 8, 3),
+}
+
+
+def default_block(kind: str, mode: str) -> Block:
+    return BLOCKS[(kind, mode)]
+
+
+# ---- schedule -------------------------------------------------------------------------------------------------
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class GroupLayout:
+    """The visit list of `group_sizes` over R rows in tiles of bm (see the module docstring). int32 [V] each."""
+    expert: jax.Array
+    row0: jax.Array  # first row of the visit's tile (a multiple of bm)
+    lo: jax.Array  # first row of the tile that belongs to the visit's expert
+    hi: jax.Array  # one past the last such row (lo == hi: an idle visit)
+
+
+def max_visits(rows: int, experts: int, bm: int) -> int:
+    return -(-rows // bm) + experts
+
+
+def group_layout(group_sizes: jax.Array, rows: int, bm: int) -> GroupLayout:
+    """Visits for rows [0, sum(group_sizes)) sorted by expert, in aligned tiles of bm rows."""
+    sizes = group_sizes.astype(jnp.int32)
+    E = sizes.shape[0]
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    first = starts // bm
+    last = (ends - 1) // bm
+    count = jnp.where(sizes > 0, last - first + 1, 0)
+    cum = jnp.cumsum(count)
+    V = max_visits(rows, E, bm)
+    v = jnp.arange(V, dtype=jnp.int32)
+    e = jnp.minimum(jnp.searchsorted(cum, v, side="right"), E - 1).astype(jnp.int32)
+    live = v < cum[-1]
+    tile = first[e] + v - (cum[e] - count[e])
+    row0 = jnp.where(live, tile * bm, 0)
+    lo = jnp.where(live, jnp.maximum(starts[e], row0), 0)
+    hi = jnp.where(live, jnp.minimum(ends[e], row0 + bm), 0)
+    return GroupLayout(e, row0.astype(jnp.int32), lo.astype(jnp.int32), hi.astype(jnp.int32))
+
+
+# ---- operands -------------------------------------------------------------------------------------------------
+def _weight_operands(w) -> tuple[str, int, int, int, tuple[jax.Array, ...]]:
+    """(kind, E, N, K, operands): bf16 -> (w,); NVFP4 -> (codes uint8, scale bytes uint8, global scale f32 [E])."""
+    if isinstance(w, NVFP4Weight):
+        E, N, half = w.codes.shape
+        if half % (2 * GROUP) and half % GROUP:
+            raise ValueError(f"NVFP4 expert weight: K={2 * half} must be a multiple of {2 * GROUP}")
+        scales = jax.lax.bitcast_convert_type(w.scales, jnp.uint8)
+        gs = jnp.broadcast_to(jnp.asarray(w.global_scale, F32), (E,))
+        return "nvfp4", E, N, 2 * half, (w.codes, scales, gs)
+    w = jnp.asarray(w)
+    if w.ndim != 3 or w.dtype != BF16:
+        raise ValueError(f"stacked expert weights are BF16 [E, N, K] or NVFP4, got {w.dtype} {w.shape}")
+    E, N, K = w.shape
+    return "bf16", E, N, K, (w,)
+
+
+def _pow2_divisor(n: int, cap: int) -> int:
+    b = 1
+    while b * 2 <= cap and n % (b * 2) == 0:
+        b *= 2
+    return b
+
+
+def _fit(block: Block, kind: str, n: int, k: int) -> Block:
+    """Shrink bn / bk to powers of two that divide N and the K extent a step walks (NVFP4: K/2 per half)."""
+    bn = _pow2_divisor(n, block.bn)
+    kext = k // 2 if kind == "nvfp4" else k
+    bk = _pow2_divisor(kext, block.bk)
+    if kind == "nvfp4":
+        bk = max(bk, GROUP)
+        if kext % bk:
+            raise ValueError(f"NVFP4: K/2={kext} is not a multiple of {bk}")
+    return dataclasses.replace(block, bn=bn, bk=bk)
+
+
+# ---- kernel -----------------------------------------------------------------------------------------------------
+def _f16_bits(bits: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.float16).astype(F32)
+
+
+def _dequant(codes: jax.Array, scale_bytes: jax.Array, high: bool) -> jax.Array:
+    """codes uint8 [bn, bk] (one nibble used), scale bytes uint8 [bn, bk/16] -> BF16 weight values [bn, bk]."""
+    c = codes.astype(jnp.int32)
+    if high:
+        c = c >> 4
+    v = _f16_bits(((c & 0x7) << 9) | ((c & 0x8) << 12))  # E2M1 * 2^-14
+    b = scale_bytes.astype(jnp.int32)
+    s = _f16_bits(((b & 0x7F) << 7) | ((b & 0x80) << 8)) * (2.0 ** 22)  # E4M3 * 2^22
+    bn, bk = v.shape
+    vals = v.reshape(bn, bk // GROUP, GROUP) * s[:, :, None]
+    return vals.reshape(bn, bk).astype(BF16)
+
+
+def _dot_t(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [m, k] @ w[n, k].T with an FP32 result."""
+    return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=F32)
+
+
+def _kernel(e_ref, r0_ref, lo_ref, hi_ref, x_ref, *refs, kind, n_w, mode, blk, k):
+    o_ref = refs[-1]
+    wrefs = refs[:-1]
+    per = len(wrefs) // n_w
+    ws = [wrefs[i * per:(i + 1) * per] for i in range(n_w)]
+    bm, bn, bk = blk.bm, blk.bn, blk.bk
+    j, v = pl.program_id(0), pl.program_id(1)
+    lo, hi = lo_ref[v], hi_ref[v]
+
+    @pl.when(hi > lo)
+    def _visit():
+        e = e_ref[v]
+        row0 = pl.multiple_of(r0_ref[v], bm)
+        n0 = pl.multiple_of(j * bn, bn)
+        rows = pl.ds(row0, bm)
+        cols = pl.ds(n0, bn)
+        init = tuple(jnp.zeros((bm, bn), F32) for _ in range(n_w))
+
+        if kind == "nvfp4":
+            half = k // 2
+            hg = half // GROUP
+
+            def body(t, accs):
+                c0 = pl.multiple_of(t * bk, bk)
+                g0 = t * (bk // GROUP)
+                x_lo = x_ref[rows, pl.ds(c0, bk)]
+                x_hi = x_ref[rows, pl.ds(half + c0, bk)]
+                out = []
+                for (codes, scales, _), acc in zip(ws, accs):
+                    cb = codes[e, cols, pl.ds(c0, bk)]
+                    w_lo = _dequant(cb, scales[e, cols, pl.ds(g0, bk // GROUP)], high=False)
+                    w_hi = _dequant(cb, scales[e, cols, pl.ds(hg + g0, bk // GROUP)], high=True)
+                    out.append(acc + _dot_t(x_lo, w_lo) + _dot_t(x_hi, w_hi))
+                return tuple(out)
+            steps = half // bk
+        else:
+            def body(t, accs):
+                k0 = pl.multiple_of(t * bk, bk)
+                xt = x_ref[rows, pl.ds(k0, bk)]
+                return tuple(acc + _dot_t(xt, w[e, cols, pl.ds(k0, bk)]) for (w,), acc in zip(ws, accs))
+            steps = k // bk
+
+        accs = jax.lax.fori_loop(0, steps, body, init)
+        ys = []
+        for wop, acc in zip(ws, accs):
+            if kind == "nvfp4":
+                acc = acc * wop[2][e]
+            ys.append(acc.astype(BF16))
+        out = ys[0] if mode == "linear" else L.swiglu(ys[0], ys[1])
+        r = row0 + jnp.arange(bm, dtype=jnp.int32)
+        keep = ((r >= lo) & (r < hi))[:, None]
+        plt.store(o_ref.at[rows, cols], out.astype(o_ref.dtype), mask=keep)
+
+
+def _call(x, ws, group_sizes, *, mode, layout=None, interpret=False, block=None):
+    if x.ndim != 2:
+        raise ValueError(f"x must be [R, K], got {x.shape}")
+    specs = [_weight_operands(w) for w in ws]
+    kind, E, N, K, _ = specs[0]
+    for s in specs:
+        if s[:4] != specs[0][:4]:
+            raise ValueError("fused expert weights must share kind and shape")
+    if x.shape[1] != K:
+        raise ValueError(f"x has K={x.shape[1]} but the expert weights are [{E}, {N}, {K}]")
+    if group_sizes.shape != (E,):
+        raise ValueError(f"group_sizes must be [{E}], got {group_sizes.shape}")
+    blk = _fit(block or default_block(kind, mode), kind, N, K)
+    R = x.shape[0]
+    Rp = -(-R // blk.bm) * blk.bm
+    xp = x.astype(BF16)
+    if Rp != R:
+        xp = jnp.pad(xp, ((0, Rp - R), (0, 0)))
+    if layout is None:
+        layout = group_layout(group_sizes, Rp, blk.bm)
+    V = layout.expert.shape[0]
+    operands = [layout.expert, layout.row0, layout.lo, layout.hi, xp]
+    for s in specs:
+        operands.extend(s[4])
+    kernel = functools.partial(_kernel, kind=kind, n_w=len(ws), mode=mode, blk=blk, k=K)
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((Rp, N), BF16),
+        grid=(N // blk.bn, V),
+        in_specs=[pl.no_block_spec] * len(operands),
+        out_specs=pl.no_block_spec,
+        compiler_params=plt.CompilerParams(num_warps=blk.num_warps, num_stages=blk.num_stages),
+        interpret=interpret,
+        name=f"grouped_{mode}_{kind}",
+    )(*operands)
+    return out if Rp == R else out[:R]
+
+
+def grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *, interpret: bool = False,
+                   block: Block | None = None, layout: GroupLayout | None = None) -> jax.Array:
+    """`bf16(f32acc(x[r] @ W[e(r)].T) * gs[e(r)])` for rows x [R, K] sorted by expert (group_sizes [E] int32),
+    w a stacked [E, N, K] BF16 or NVFP4 weight -> [R, N] BF16. `layout`: a precomputed `group_layout(group_sizes,
+    R rounded up to block.bm, block.bm)` to share between calls."""
+    return _call(x, [w], group_sizes, mode="linear", layout=layout, interpret=interpret, block=block)
+
+
+def grouped_swiglu(x: jax.Array, gate, up, group_sizes: jax.Array, *, interpret: bool = False,
+                   block: Block | None = None, layout: GroupLayout | None = None) -> jax.Array:
+    """`layers.swiglu(grouped_matmul(x, gate), grouped_matmul(x, up))` in one kernel: x is read once and both
+    accumulators share the K loop. gate/up [E, I, K] -> [R, I] BF16."""
+    return _call(x, [gate, up], group_sizes, mode="swiglu", layout=layout, interpret=interpret, block=block)
+
+
+# ---- references -------------------------------------------------------------------------------------------------
+REF_TILE = 64  # rows per tile of the reference
+REF_BATCH = 16  # tiles per step of its loop (bounds the gathered weights to REF_BATCH experts at a time)
+
+
+def _ref_linear_tiles(xt: jax.Array, w, experts: jax.Array) -> jax.Array:
+    """Tiles xt [n, bm, K] against their experts' weights [n, N, K] -> [n, bm, N] BF16 (layers.linear rounding)."""
+    we = jax.tree.map(lambda a: a[experts], w)
+    acc = jnp.einsum("tmk,tnk->tmn", xt.astype(BF16), L.weight_values(we), preferred_element_type=F32)
+    if isinstance(w, NVFP4Weight):
+        acc = acc * we.global_scale[:, None, None]
+    return acc.astype(BF16)
+
+
+def _ref_call(x, ws, group_sizes, mode):
+    R, K = x.shape
+    bm = REF_TILE
+    Rp = -(-R // bm) * bm
+    xp = jnp.pad(x.astype(BF16), ((0, Rp - R), (0, 0)))
+    lay = group_layout(group_sizes, Rp, bm)
+    tiles = xp.reshape(Rp // bm, bm, K)
+
+    def one(args):
+        row0, e = args
+        xt = tiles[row0 // bm]
+        ys = [_ref_linear_tiles(xt, w, e) for w in ws]
+        return ys[0] if mode == "linear" else L.swiglu(ys[0], ys[1])
+
+    V = lay.expert.shape[0]
+    pad = -V % REF_BATCH
+    row0 = jnp.pad(lay.row0, (0, pad)).reshape(-1, REF_BATCH)
+    ex = jnp.pad(lay.expert, (0, pad)).reshape(-1, REF_BATCH)
+    N = _weight_operands(ws[0])[2]
+    ys = jax.lax.map(one, (row0, ex)).reshape(-1, bm, N)[:V]
+    r = lay.row0[:, None] + jnp.arange(bm)[None, :]
+    keep = (r >= lay.lo[:, None]) & (r < lay.hi[:, None])
+    # Each row belongs to exactly one visit: the sum adds zeros to it, which leaves it unchanged.
+    out = jnp.zeros((Rp // bm, bm, ys.shape[-1]), F32).at[lay.row0 // bm].add(
+        jnp.where(keep[..., None], ys.astype(F32), 0.0))
+    return out.reshape(Rp, -1)[:R].astype(BF16)
+
+
+def ref_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *, interpret: bool = False,
+                       block: Block | None = None, layout: GroupLayout | None = None) -> jax.Array:
+    """Plain-JAX `grouped_matmul` with the same rounding: tiles of 64 rows, each against its expert's weights,
+    REF_BATCH tiles per loop step, so it runs at 8K tokens on the GPU without copying weights per token. Rows past
+    sum(group_sizes) are zero."""
+    del interpret, block, layout
+    return _ref_call(x, [w], group_sizes, "linear")
+
+
+def ref_grouped_swiglu(x: jax.Array, gate, up, group_sizes: jax.Array, *, interpret: bool = False,
+                       block: Block | None = None, layout: GroupLayout | None = None) -> jax.Array:
+    del interpret, block, layout
+    return _ref_call(x, [gate, up], group_sizes, "swiglu")

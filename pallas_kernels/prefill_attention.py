@@ -1,0 +1,255 @@
+"""Prefill attention: a chunk of T new queries against the KV state, flash-attention style (Pallas, Triton lowering).
+
+    ring_attention(q, k, v, q_pos, ring, sinks, window)   sliding layer: the keys are the ring as it was before
+                                                          this chunk (its stored positions) and the chunk itself
+    full_attention(q, q_pos, cache, lengths, sinks)       full layer: the cache, which already holds the chunk,
+                                                          keys 0 .. lengths[b] - 1 at their indices
+
+both = layers.attend(q, keys, values, layers.attention_mask(q_pos, k_pos, window), sinks) without ever forming the
+[T, S] score matrix, so a chunk of 8K queries can read a 262K-token cache.
+
+q [B, T, Hq, D] BF16 (normed, RoPE'd), q_pos [B, T] int32 (-1 = padding row), sinks [Hq] f32 -> o [B, T, Hq, D] BF16.
+Masks come from positions: causal (k_pos <= q_pos), k_pos >= 0, and on sliding layers q_pos - k_pos < window.
+Key-loop bounds (which blocks may hold an allowed key) assume what model_step guarantees: row b's chunk
+positions are lengths[b] + t, so they only skip blocks that the mask would zero anyway.
+
+Grid (T / BQ, KV, B). A program takes BQ queries of the G = Hq / KV query heads that share one KV head, as
+BQ * G rows (token-major), so each K/V block is loaded once for G heads (GQA). Online softmax in FP32 with
+base-2 exponentials (the scale log2(e)/sqrt(D) is folded into the scores); the sink joins at the end:
+    m = max(m_keys, sink),  o = acc * 2^(m_keys - m) / (l * 2^(m_keys - m) + 2^(sink - m)).
+A row with no allowed key and a -inf sink gives 0 (the reference gives 0/0 there; no real token is in that case).
+
+P @ V: p is FP32; the dot runs as two BF16 tensor-core products, p_hi = bf16(p) and p_lo = bf16(p - p_hi),
+against the BF16 values (exact in BF16), accumulated in FP32: p keeps 16 significant bits, an error of about 2^-17
+relative, far below the BF16 rounding of o (FLINT_SPEC: the value sum is FP32). `exact_pv=False` uses p_hi only.
+
+Block edges: a last block that would run past the end of the keys (or queries) starts earlier instead, at
+extent - BK, and masks the keys an earlier block already counted; so no load goes out of bounds and no extent
+needs padding (extents shorter than one block are padded by the wrapper).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from flint_jax import layers as L
+from flint_jax.state import FullCache, RingCache
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+LOG2E = math.log2(math.e)
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """rows: query rows per program (BQ = rows // G tokens); bk keys per step."""
+    rows: int = 128
+    bk: int = 64
+    num_warps: int = 8
+    num_stages: int = 2
+    exact_pv: bool = True
+
+
+DEFAULT_BLOCK = Block()
+
+
+def _bq(block: Block, G: int) -> int:
+    if block.rows % G:
+        raise ValueError(f"block rows {block.rows} must be a multiple of the query heads per KV head ({G})")
+    return block.rows // G
+
+
+# ---- kernel -----------------------------------------------------------------------------------------------------
+def _dot_t(a, b):
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=F32)
+
+
+def _dot(a, b):
+    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=F32)
+
+
+def _kernel(*refs, mode, G, BQ, BK, T, S, window, scale, exact_pv):
+    if mode == "ring":
+        q_ref, qpos_ref, sink_ref, rk_ref, rv_ref, rpos_ref, ck_ref, cv_ref, o_ref = refs
+    else:
+        q_ref, qpos_ref, sink_ref, len_ref, fk_ref, fv_ref, o_ref = refs
+    i, kv, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    D = q_ref.shape[-1]
+    R = BQ * G
+    t0 = jnp.minimum(i * BQ, T - BQ)
+    qt = q_ref[b, pl.ds(t0, BQ), pl.ds(kv * G, G), :].reshape(R, D)
+    qp_tok = qpos_ref[b, pl.ds(t0, BQ)]
+    qp = jnp.broadcast_to(qp_tok[:, None], (BQ, G)).reshape(R)
+    sink = jnp.broadcast_to(sink_ref[pl.ds(kv * G, G)][None, :], (BQ, G)).reshape(R).astype(F32) * LOG2E
+    c = scale * LOG2E
+
+    def step(carry, kt, vt, kp, fresh):
+        """One key block: kt/vt [BK, D], kp [BK] positions (-1 = none), fresh [BK] not seen by an earlier block."""
+        m, l, acc = carry
+        s = _dot_t(qt, kt) * c
+        ok = (kp[None, :] >= 0) & (kp[None, :] <= qp[:, None]) & fresh[None, :]
+        if window is not None:
+            ok = ok & ((qp[:, None] - kp[None, :]) < window)
+        s = jnp.where(ok, s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp2(m - m_safe)
+        p = jnp.exp2(s - m_safe[:, None])
+        l = l * alpha + jnp.sum(p, axis=1)
+        p_hi = p.astype(BF16)
+        pv = _dot(p_hi, vt)
+        if exact_pv:
+            pv = pv + _dot((p - p_hi.astype(F32)).astype(BF16), vt)
+        return m_new, l, acc * alpha[:, None] + pv
+
+    def edge(j, extent):
+        """Start of key block j over [0, extent), kept in bounds, and which of its keys are new."""
+        s0 = jnp.minimum(j * BK, extent - BK)
+        idx = s0 + jnp.arange(BK, dtype=jnp.int32)
+        return s0, idx, idx >= j * BK
+
+    carry = (jnp.full((R,), -jnp.inf, F32), jnp.zeros((R,), F32), jnp.zeros((R, D), F32))
+    if mode == "ring":
+        W = rk_ref.shape[2]  # ring slots
+
+        def ring_body(j, carry):
+            s0, _, fresh = edge(j, W)
+            return step(carry, rk_ref[b, kv, pl.ds(s0, BK), :], rv_ref[b, kv, pl.ds(s0, BK), :],
+                        rpos_ref[b, pl.ds(s0, BK)], fresh)
+
+        # Ring keys are older than the chunk: only queries within window - 1 of its start can reach them.
+        n_ring = jnp.where(t0 <= window - 2, pl.cdiv(W, BK), 0)
+        carry = jax.lax.fori_loop(0, n_ring, ring_body, carry)
+
+        def chunk_body(j, carry):
+            s0, _, fresh = edge(j, T)
+            return step(carry, ck_ref[b, pl.ds(s0, BK), kv, :], cv_ref[b, pl.ds(s0, BK), kv, :],
+                        qpos_ref[b, pl.ds(s0, BK)], fresh)
+
+        j_lo = jnp.maximum(t0 - (window - 1), 0) // BK
+        j_hi = jnp.minimum((t0 + BQ - 1) // BK + 1, pl.cdiv(T, BK))
+        carry = jax.lax.fori_loop(j_lo, j_hi, chunk_body, carry)
+    else:
+        length = len_ref[b]
+
+        def full_body(j, carry):
+            s0, idx, fresh = edge(j, S)
+            kp = jnp.where(idx < length, idx, -1)
+            return step(carry, fk_ref[b, kv, pl.ds(s0, BK), :], fv_ref[b, kv, pl.ds(s0, BK), :], kp, fresh)
+
+        q_max = jnp.minimum(jnp.max(qp_tok), length - 1)
+        n_full = jnp.minimum((q_max + BK) // BK, pl.cdiv(S, BK))
+        carry = jax.lax.fori_loop(0, n_full, full_body, carry)
+
+    m, l, acc = carry
+    m_f = jnp.maximum(m, sink)
+    m_f = jnp.where(m_f == -jnp.inf, 0.0, m_f)
+    alpha = jnp.exp2(m - m_f)
+    denom = l * alpha + jnp.exp2(sink - m_f)
+    inv = jnp.where(denom > 0, 1.0 / jnp.where(denom > 0, denom, 1.0), 0.0)
+    o = acc * (alpha * inv)[:, None]
+    o_ref[b, pl.ds(t0, BQ), pl.ds(kv * G, G), :] = o.reshape(BQ, G, D).astype(o_ref.dtype)
+
+
+# ---- wrappers -----------------------------------------------------------------------------------------------------
+def _pad_axis(x, axis, size, value=0):
+    if x.shape[axis] >= size:
+        return x
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, pad, constant_values=value)
+
+
+def _check_q(q, q_pos, sinks, KV):
+    B, T, Hq, D = q.shape
+    if q_pos.shape != (B, T):
+        raise ValueError(f"q_pos must be [{B}, {T}], got {q_pos.shape}")
+    if Hq % KV:
+        raise ValueError(f"{Hq} query heads do not divide into {KV} KV heads")
+    if sinks.shape != (Hq,):
+        raise ValueError(f"sinks must be [{Hq}], got {sinks.shape}")
+    return B, T, Hq, D
+
+
+def _launch(mode, q, q_pos, sinks, key_ops, *, S, window, block, interpret):
+    B, T, Hq, D = q.shape
+    KV = key_ops[0].shape[1] if mode == "ring" else key_ops[1].shape[1]
+    G = Hq // KV
+    BQ = _bq(block, G)
+    BK = block.bk
+    # Extents shorter than a block are padded (padding rows/keys carry position -1 and are masked).
+    Tp = max(T, BQ, BK if mode == "ring" else 1)
+    qp = _pad_axis(q.astype(BF16), 1, Tp)
+    posp = _pad_axis(q_pos.astype(jnp.int32), 1, Tp, -1)
+    kernel = functools.partial(_kernel, mode=mode, G=G, BQ=BQ, BK=BK, T=Tp, S=S, window=window,
+                               scale=1.0 / math.sqrt(D), exact_pv=block.exact_pv)
+    operands = [qp, posp, sinks.astype(F32), *key_ops]
+    o = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((B, Tp, Hq, D), BF16),
+        grid=(pl.cdiv(Tp, BQ), KV, B),
+        in_specs=[pl.no_block_spec] * len(operands),
+        out_specs=pl.no_block_spec,
+        compiler_params=plt.CompilerParams(num_warps=block.num_warps, num_stages=block.num_stages),
+        interpret=interpret,
+        name=f"prefill_attention_{mode}",
+    )(*operands)
+    return o[:, :T]
+
+
+def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, ring: RingCache, sinks: jax.Array,
+                   window: int, *, interpret: bool = False, block: Block | None = None) -> jax.Array:
+    """Sliding-layer attention of a chunk. q [B, T, Hq, D]; k, v [B, T, KV, D] the chunk's keys/values (BF16);
+    q_pos [B, T] (-1 = padding); ring: the layer's RingCache before this chunk is written. -> o [B, T, Hq, D]."""
+    B, T, Hq, D = _check_q(q, q_pos, sinks, ring.k.shape[1])
+    block = block or DEFAULT_BLOCK
+    BK = block.bk
+    if k.shape != (B, T, ring.k.shape[1], D) or v.shape != k.shape:
+        raise ValueError(f"chunk k/v must be [{B}, {T}, {ring.k.shape[1]}, {D}], got {k.shape}, {v.shape}")
+    G = Hq // ring.k.shape[1]
+    Tp = max(T, _bq(block, G), BK)
+    ck = _pad_axis(k.astype(BF16), 1, Tp)
+    cv = _pad_axis(v.astype(BF16), 1, Tp)
+    rk = _pad_axis(ring.k, 2, BK)
+    rv = _pad_axis(ring.v, 2, BK)
+    rpos = _pad_axis(ring.pos, 1, BK, -1)
+    return _launch("ring", q, q_pos, sinks, [rk, rv, rpos, ck, cv], S=rk.shape[2], window=int(window),
+                   block=block, interpret=interpret)
+
+
+def full_attention(q: jax.Array, q_pos: jax.Array, cache: FullCache, lengths: jax.Array, sinks: jax.Array, *,
+                   interpret: bool = False, block: Block | None = None) -> jax.Array:
+    """Full-layer attention of a chunk against a FullCache that already holds it: keys 0 .. lengths[b] - 1.
+    q [B, T, Hq, D], q_pos [B, T] (-1 = padding), lengths [B] -> o [B, T, Hq, D]."""
+    _check_q(q, q_pos, sinks, cache.k.shape[1])
+    block = block or DEFAULT_BLOCK
+    fk, fv = cache.k, cache.v
+    if fk.shape[2] < block.bk:  # a cache shorter than one key block (tests): pad, masked by lengths
+        fk, fv = _pad_axis(fk, 2, block.bk), _pad_axis(fv, 2, block.bk)
+    return _launch("full", q, q_pos, sinks, [lengths.astype(jnp.int32), fk, fv], S=fk.shape[2], window=None,
+                   block=block, interpret=interpret)
+
+
+# ---- references ---------------------------------------------------------------------------------------------------
+def ref_ring_attention(q, k, v, q_pos, ring: RingCache, sinks, window, *, interpret=False, block=None):
+    """model.attention_block's sliding-layer attention: ring then chunk, layers.attend with the position mask."""
+    del interpret, block
+    keys = jnp.concatenate([ring.k, jnp.swapaxes(k, 1, 2)], axis=2)
+    vals = jnp.concatenate([ring.v, jnp.swapaxes(v, 1, 2)], axis=2)
+    k_pos = jnp.concatenate([ring.pos, q_pos], axis=1)
+    return L.attend(q, keys, vals, L.attention_mask(q_pos, k_pos, window), sinks)
+
+
+def ref_full_attention(q, q_pos, cache: FullCache, lengths, sinks, *, interpret=False, block=None):
+    """model.attention_block's full-layer attention (materializes [T, S] scores: small shapes only)."""
+    del interpret, block
+    S = cache.k.shape[2]
+    idx = jnp.arange(S)[None, :]
+    k_pos = jnp.where(idx < lengths[:, None], idx, -1)
+    return L.attend(q, cache.k, cache.v, L.attention_mask(q_pos, k_pos, None), sinks)
