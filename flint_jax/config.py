@@ -137,7 +137,7 @@ class FlintConfig:
         ring wraps within a few tokens) and full layers, GQA 4/2, a shared expert, top-2 of 8 experts."""
         n = overrides.pop("num_hidden_layers", 5)
         base = dict(vocab_size=256, hidden_size=64, num_hidden_layers=n, num_attention_heads=4,
-                    num_key_value_heads=2, head_dim=16, intermediate_size=128, moe_intermediate_size=64,
+                    num_key_value_heads=2, head_dim=32, intermediate_size=128, moe_intermediate_size=64,
                     n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=2,
                     sliding_window=5, layer_types=(SLIDING, FULL, SLIDING, SLIDING, FULL)[:n] if n <= 5
                     else default_layer_types(n), max_position_embeddings=512, eos_token_id=(0,), pad_token_id=0)

@@ -1,0 +1,64 @@
+"""`impl="pallas"`: the halves of a layer built from fused Pallas kernels.
+
+Decode (T = 1) uses the attention kernels (prologue: norm + QKV + Q/K norm + RoPE + KV write; decode attention with
+sinks; output projection + residual) and the weight-streaming MLP kernels (router, routed + shared experts, dense
+SwiGLU). Prefill chunks (T > 1) use the prefill kernels. Where a kernel is missing the reference block runs instead;
+`coverage()` says which, and the engine and benchmarks print it.
+
+On a CPU backend the kernels run in Pallas interpret mode (how CI tests them); on the GPU they compile.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+import jax
+
+from flint_jax import layers as L
+
+
+def _interpret() -> bool:
+    return jax.default_backend() != "gpu"
+
+
+def _optional(module: str, name: str):
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None
+
+
+@functools.cache
+def _kernels() -> dict:
+    return {
+        "decode_attention": _optional("flint_jax.pallas_kernels.decode_attention", "attention_block_decode"),
+        "decode_mlp": _optional("flint_jax.pallas_kernels.moe_experts", "mlp_block"),
+        "prefill_attention": _optional("flint_jax.prefill", "prefill_attention_block"),
+        "prefill_mlp": _optional("flint_jax.prefill", "prefill_mlp_block"),
+    }
+
+
+def coverage() -> dict[str, str]:
+    """For each block of the Pallas path: "pallas" or "reference (kernel missing)"."""
+    return {k: "pallas" if v is not None else "reference (kernel missing)" for k, v in _kernels().items()}
+
+
+def _decode_attention(h, layer, cache, positions, valid, lengths_after, cfg, sliding):
+    fn = _kernels()["decode_attention"]
+    out, cache = fn(h[:, 0], layer, cache, positions[:, 0], valid[:, 0], cfg, sliding, interpret=_interpret())
+    return out[:, None], cache
+
+
+def _decode_mlp(h, layer, cfg):
+    return _kernels()["decode_mlp"](h[:, 0], layer, cfg, interpret=_interpret())[:, None]
+
+
+def blocks(T: int):
+    """The (attention, mlp) halves for chunks of T tokens."""
+    from flint_jax.model import Blocks, attention_block
+    k = _kernels()
+    if T == 1:
+        return Blocks(attention=_decode_attention if k["decode_attention"] else attention_block,
+                      mlp=_decode_mlp if k["decode_mlp"] else L.mlp_block)
+    return Blocks(attention=k["prefill_attention"] or attention_block, mlp=k["prefill_mlp"] or L.mlp_block)
