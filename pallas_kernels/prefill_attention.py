@@ -124,7 +124,7 @@ def _kernel(*refs, mode, G, BQ, BK, T, S, window, scale, exact_pv):
                         rpos_ref[b, pl.ds(s0, BK)], fresh)
 
         # Ring keys are older than the chunk: only queries within window - 1 of its start can reach them.
-        n_ring = jnp.where(t0 <= window - 2, pl.cdiv(W, BK), 0)
+        n_ring = (t0 <= window - 2).astype(jnp.int32) * pl.cdiv(W, BK)
         carry = jax.lax.fori_loop(0, n_ring, ring_body, carry)
 
         def chunk_body(j, carry):
