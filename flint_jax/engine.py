@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+import warnings
 from typing import Callable, Iterator, Sequence
 
 import jax
@@ -42,12 +43,13 @@ class TokenEvent:
     finish_reason: str | None = None
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("state",))
 def prefill_chunk(params: Params, state: KVState, tokens: jax.Array, n_new: jax.Array, keys: jax.Array,
-                  temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, cfg: FlintConfig):
+                  temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, cfg: FlintConfig,
+                  impl: str = "xla"):
     """One prefill chunk for every row (n_new[b] = 0 leaves row b untouched). Returns (next token per row, sampled
     from the logits at the row's last real token, and the new state)."""
-    h, state = M.model_step(params, state, tokens, n_new, cfg, impl="xla")
+    h, state = M.model_step(params, state, tokens, n_new, cfg, impl=impl)
     logits = M.lm_logits(params, M.last_hidden(h, n_new), cfg)
     return sample(logits, keys, temperature, top_k, top_p), state
 
@@ -95,6 +97,11 @@ class Engine:
         self.max_batch, self.max_len, self.chunk_size, self.impl = max_batch, max_len, chunk_size, impl
         self.state = init_state(cfg, max_batch, max_len)
         self.tokenizer, self.chat_template = tokenizer, chat_template
+        if impl == "pallas":
+            from flint_jax import pallas_path
+            missing = [k for k, v in pallas_path.coverage().items() if v != "pallas"]
+            if missing:
+                warnings.warn(f"impl='pallas': no kernel yet for {', '.join(missing)}; the reference runs there")
 
     # ---- public API -------------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams] = None,
@@ -187,7 +194,7 @@ class Engine:
                 tokens[b, :len(part)], n_new[b] = part, len(part)
                 s.prefilled += len(part)
             nxt, self.state = prefill_chunk(self.params, self.state, jnp.asarray(tokens), jnp.asarray(n_new),
-                                            *self._settings(slots, pending), cfg=self.cfg)
+                                            *self._settings(slots, pending), cfg=self.cfg, impl=self.impl)
             nxt = np.asarray(nxt)
             for b in pending:
                 if slots[b].prefilled == len(slots[b].prompt):
