@@ -1,0 +1,289 @@
+"""Decode attention (T = 1) with learned sinks over ring and full caches, and the whole decode attention block.
+
+One kernel body, three modes (Pallas, Triton lowering):
+
+* `decode_attention(q, cache, positions, sinks, ...)`: q ready, the cache already holds this token.
+* fused (used by `attention_block_decode`): takes the raw Q/K/V projection of `qkv_projection`, finishes Q/K
+  (head RMSNorm, RoPE on sliding layers: `attention_prologue.finish_heads`), writes K/V into the cache in place,
+  and attends. The new token enters the online softmax as its initial state instead of being read back from the
+  cache, so no program reads memory that another program of the same launch writes (a ring's slot p % W held
+  position p - W, which the window masks; a full cache's row p is past the old keys).
+
+Grid (B, KV, splits). A program takes the Hq/KV query heads of one KV head together (rows padded to 16, the
+tensor-core tile) and streams that KV head's keys in blocks of BLOCK_K: sliding layers read the whole ring
+(`W` slots, masked by the stored positions), full layers split the keys [0, length) into `splits` equal chunks
+computed from the length at run time (lengths are data: one compiled kernel for every length up to max_len).
+With one split the kernel folds in the sink and writes o; with several it writes (acc, max, sum) partials and
+`combine` folds them and the sink together.
+
+`attention_block_decode` = qkv_projection + fused attention [+ combine] + output projection with the residual:
+three kernels on a sliding layer (four on a full layer: the combine).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from flint_jax import layers as L
+from flint_jax.config import FlintConfig
+from flint_jax.pallas_kernels.attention_prologue import (ROWS, check_cache, finish_heads, load_raw_heads,
+                                                         qkv_projection, rope_tables, store_kv)
+from flint_jax.state import FullCache, RingCache
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+NEG_INF = float("-inf")
+
+BLOCK_K = 64  # keys per step
+TARGET_PROGRAMS = 264  # full layers: enough (b, kv, split) programs for 2 waves over the H200's 132 SMs
+MAX_SPLITS = 128
+
+
+def default_splits(batch: int, kv_heads: int, sliding: bool) -> int:
+    """Splits of the key range per (sequence, KV head). Sliding layers read one ring (W keys): one program each,
+    which keeps the block at three kernels. Full layers: a power of two giving ~TARGET_PROGRAMS programs."""
+    if sliding:
+        return 1
+    want = max(1, -(-TARGET_PROGRAMS // (batch * kv_heads)))
+    return min(MAX_SPLITS, 1 << (want - 1).bit_length())
+
+
+def _attn_kernel(*refs, mode, ring, sliding, B, Hq, KV, G, D, window, n_slots, splits, eps, num_refs_in):
+    ins, outs = refs[:num_refs_in], refs[num_refs_in:]
+    dh = D // 2
+    b, kv, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    gmask = (jnp.arange(ROWS) < G)[:, None]
+    inv_sqrt_d = 1.0 / math.sqrt(D)
+
+    if mode == "fused":
+        qkv_ref, qn_ref, kn_ref, invf_ref, pos_ref, act_ref, sink_ref, *cache_in = ins
+        pos = pos_ref[b]
+        active = act_ref[b] != 0
+        q1, q2, k1, k2, v_new = load_raw_heads(qkv_ref, b, kv, Hq=Hq, KV=KV, G=G, D=D)
+        q1, q2 = finish_heads(q1, q2, qn_ref, invf_ref, pos, eps=eps, sliding=sliding)
+        k1, k2 = finish_heads(k1, k2, kn_ref, invf_ref, pos, eps=eps, sliding=sliding)
+    else:
+        q_ref, pos_ref, act_ref, sink_ref, *cache_in = ins
+        pos = pos_ref[b]
+        active = act_ref[b] != 0
+        q1 = plgpu.load(q_ref.at[b, pl.ds(kv * G, ROWS), pl.ds(0, dh)], mask=gmask, other=0)
+        q2 = plgpu.load(q_ref.at[b, pl.ds(kv * G, ROWS), pl.ds(dh, dh)], mask=gmask, other=0)
+    k_ref, v_ref = cache_in[0], cache_in[1]
+    kpos_ref = cache_in[2] if ring else None
+    if mode == "fused":
+        k_out, v_out = outs[-3 if ring else -2], outs[-2 if ring else -1]
+        pos_out = outs[-1] if ring else None
+
+        @pl.when(active & (s == 0))
+        def _():
+            store_kv(k1, k2, v_new, k_out, v_out, pos_out, b, kv, pos, ring=ring, window=n_slots)
+
+    # Online softmax state. Fused: the new token is the initial state of split 0 (it is not read from the cache).
+    if mode == "fused":
+        k1f, k2f = k1.astype(F32), k2.astype(F32)
+        s_new = (jnp.sum(q1.astype(F32) * k1f, axis=1) + jnp.sum(q2.astype(F32) * k2f, axis=1)) * inv_sqrt_d
+        take = active & (s == 0)
+        m = jnp.where(take, s_new, NEG_INF)
+        l = jnp.where(take, 1.0, 0.0) + jnp.zeros((ROWS,), F32)
+        acc = jnp.where(take, 1.0, 0.0) * jnp.broadcast_to(v_new.astype(F32)[None, :], (ROWS, D))
+    else:
+        m = jnp.full((ROWS,), NEG_INF, F32)
+        l = jnp.zeros((ROWS,), F32)
+        acc = jnp.zeros((ROWS, D), F32)
+
+    # Key range of this program. Old keys only in fused mode (the new one is already in the state).
+    q_pos = jnp.where(active, pos, -1)
+    if ring:
+        lo = 0
+        n_blocks = jnp.where(active, pl.cdiv(n_slots, BLOCK_K), 0)
+        hi = n_slots
+    else:
+        length = jnp.maximum(q_pos if mode == "fused" else q_pos + 1, 0)
+        chunk = pl.cdiv(pl.cdiv(length, splits), BLOCK_K) * BLOCK_K
+        lo = s * chunk
+        hi = jnp.minimum(length, lo + chunk)
+        n_blocks = pl.cdiv(jnp.maximum(hi - lo, 0), BLOCK_K)
+    idx0 = jnp.arange(BLOCK_K)
+
+    def body(i, carry):
+        m, l, acc = carry
+        t0 = lo + i * BLOCK_K
+        idx = t0 + idx0
+        in_cache = idx < n_slots
+        if ring:
+            kp = plgpu.load(kpos_ref.at[b, pl.ds(t0, BLOCK_K)], mask=in_cache, other=-1)
+            newest = kp < q_pos if mode == "fused" else kp <= q_pos
+            ok = (kp >= 0) & newest & (q_pos - kp < window)
+        else:
+            ok = idx < hi
+        rmask = in_cache[:, None]
+        kb1 = plgpu.load(k_ref.at[b, kv, pl.ds(t0, BLOCK_K), pl.ds(0, dh)], mask=rmask, other=0)
+        kb2 = plgpu.load(k_ref.at[b, kv, pl.ds(t0, BLOCK_K), pl.ds(dh, dh)], mask=rmask, other=0)
+        sc = (plgpu.dot(q1, kb1, trans_b=True) + plgpu.dot(q2, kb2, trans_b=True)) * inv_sqrt_d  # [ROWS, BK]
+        sc = jnp.where(ok[None, :], sc, NEG_INF)
+        m_new = jnp.maximum(m, jnp.max(sc, axis=1))
+        m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
+        alpha = jnp.exp(m - m_safe)
+        p = jnp.exp(sc - m_safe[:, None])
+        vb = plgpu.load(v_ref.at[b, kv, pl.ds(t0, BLOCK_K), :], mask=rmask, other=0)
+        pv = plgpu.dot(p, vb.astype(F32), allow_tf32=True)
+        return m_new, l * alpha + jnp.sum(p, axis=1), acc * alpha[:, None] + pv
+
+    m, l, acc = jax.lax.fori_loop(0, n_blocks, body, (m, l, acc))
+
+    heads = pl.ds(kv * G, ROWS)
+    if splits == 1:
+        o_ref = outs[0]
+        sink = plgpu.load(sink_ref.at[heads], mask=gmask[:, 0], other=0).astype(F32)
+        big = jnp.maximum(m, sink)
+        big = jnp.where(jnp.isfinite(big), big, 0.0)
+        w = jnp.exp(m - big)
+        denom = l * w + jnp.exp(sink - big)
+        o = acc * (w / denom)[:, None]
+        plgpu.store(o_ref.at[b, heads, :], o.astype(BF16), mask=gmask)
+    else:
+        acc_ref, m_ref, l_ref = outs[0], outs[1], outs[2]
+        plgpu.store(acc_ref.at[b, heads, s, :], acc, mask=gmask)
+        plgpu.store(m_ref.at[b, heads, s], m, mask=gmask[:, 0])
+        plgpu.store(l_ref.at[b, heads, s], l, mask=gmask[:, 0])
+
+
+def _combine_kernel(acc_ref, m_ref, l_ref, sink_ref, o_ref):
+    b, h = pl.program_id(0), pl.program_id(1)
+    m = m_ref[b, h, :]
+    l = l_ref[b, h, :]
+    sink = sink_ref[pl.ds(h, 1)].astype(F32)  # [1]
+    big = jnp.maximum(jnp.max(m, axis=0, keepdims=True), sink)
+    big = jnp.where(jnp.isfinite(big), big, 0.0)
+    w = jnp.exp(m - big)  # [S]
+    denom = jnp.sum(l * w, axis=0, keepdims=True) + jnp.exp(sink - big)
+    o = jnp.sum(acc_ref[b, h, :, :] * w[:, None], axis=0) / denom
+    o_ref[b, h, :] = o.astype(BF16)
+
+
+def combine(acc, m, l, sinks, interpret: bool = False):
+    """Fold split partials (acc [B, Hq, S, D], running max m and sum l [B, Hq, S]) and the sinks -> o bf16."""
+    B, Hq, S, D = acc.shape
+    return pl.pallas_call(
+        _combine_kernel, grid=(B, Hq), out_shape=jax.ShapeDtypeStruct((B, Hq, D), BF16),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
+        name="decode_attention_combine",
+    )(acc, m, l, sinks.astype(F32))
+
+
+def _attention_call(mode, first_args, cache, positions, active, sinks, cfg, sliding, splits, interpret):
+    B = positions.shape[0]
+    Hq, KV, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    check_cache(cache, cfg, B, sliding)
+    ring = isinstance(cache, RingCache)
+    n_slots = cache.k.shape[2]
+    if splits is None:
+        splits = default_splits(B, KV, ring)
+    if ring and splits != 1:
+        raise ValueError("ring caches use one split")
+    if splits & (splits - 1):
+        raise ValueError(f"splits must be a power of two, got {splits}")
+    cache_in = [cache.k, cache.v] + ([cache.pos] if ring else [])
+    args = [*first_args, positions.astype(jnp.int32), active.astype(jnp.int32), sinks.astype(F32), *cache_in]
+    if splits == 1:
+        out_shape = [jax.ShapeDtypeStruct((B, Hq, D), BF16)]
+    else:
+        out_shape = [jax.ShapeDtypeStruct((B, Hq, splits, D), F32), jax.ShapeDtypeStruct((B, Hq, splits), F32),
+                     jax.ShapeDtypeStruct((B, Hq, splits), F32)]
+    aliases = {}
+    if mode == "fused":
+        n_out = len(out_shape)
+        out_shape += [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in cache_in]
+        aliases = {len(args) - len(cache_in) + i: n_out + i for i in range(len(cache_in))}
+    kernel = functools.partial(_attn_kernel, mode=mode, ring=ring, sliding=sliding, B=B, Hq=Hq, KV=KV,
+                               G=cfg.q_per_kv, D=D, window=cfg.sliding_window, n_slots=n_slots, splits=splits,
+                               eps=cfg.rms_norm_eps, num_refs_in=len(args))
+    outs = pl.pallas_call(
+        kernel, grid=(B, KV, splits), out_shape=out_shape, input_output_aliases=aliases,
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3), interpret=interpret,
+        name=f"decode_attention_{mode}_{'ring' if ring else 'full'}",
+    )(*args)
+    if splits == 1:
+        o, rest = outs[0], outs[1:]
+    else:
+        o, rest = combine(*outs[:3], sinks, interpret=interpret), outs[3:]
+    if mode != "fused":
+        return o, cache
+    new_cache = RingCache(k=rest[0], v=rest[1], pos=rest[2]) if ring else FullCache(k=rest[0], v=rest[1])
+    return o, new_cache
+
+
+def decode_attention(q: jax.Array, cache, positions: jax.Array, sinks: jax.Array, cfg: FlintConfig, sliding: bool,
+                     active: jax.Array | None = None, splits: int | None = None, interpret: bool = False) -> jax.Array:
+    """Attention of one new token per sequence over a cache that already holds it.
+    q [B, Hq, D] bf16 (normed, RoPE'd), positions [B] (the token's position; keys <= position are read, and on a
+    sliding layer only the last `sliding_window` of them), sinks [Hq] f32, active [B] bool (inactive rows read
+    nothing). Returns o [B, Hq, D] bf16."""
+    B = q.shape[0]
+    if active is None:
+        active = jnp.ones((B,), bool)
+    o, _ = _attention_call("attend", [q], cache, positions, active, sinks, cfg, sliding, splits, interpret)
+    return o
+
+
+def fused_decode_attention(qkv: jax.Array, attn, cache, positions: jax.Array, active: jax.Array, cfg: FlintConfig,
+                           sliding: bool, splits: int | None = None, interpret: bool = False):
+    """From the raw projection qkv [B, Hq+2KV, D] (`qkv_projection`): finish Q/K, write K/V, attend.
+    Returns (o [B, Hq, D] bf16, new cache)."""
+    return _attention_call("fused", [qkv, attn.q_norm, attn.k_norm, rope_tables(cfg)], cache, positions, active,
+                           attn.sinks, cfg, sliding, splits, interpret)
+
+
+def output_projection(o: jax.Array, w, h: jax.Array, interpret: bool = False) -> jax.Array:
+    """`h + linear(o, Wo)`: the team's GEMV kernel (pallas_kernels/gemv.py) when present, else the reference."""
+    try:
+        from flint_jax.pallas_kernels.gemv import gemv
+    except ImportError:
+        return h + L.linear(o, w)
+    return gemv(o, w, residual=h, interpret=interpret)
+
+
+def attention_block_decode(h: jax.Array, layer, cache, positions: jax.Array, active: jax.Array, cfg: FlintConfig,
+                           sliding: bool, splits: int | None = None, interpret: bool = False):
+    """`model.attention_block` for T = 1: h [B, H] bf16, positions [B] (= the sequence lengths before this token),
+    active [B] bool. Returns (h + Wo(attention(rmsnorm(h))) [B, H] bf16, new cache)."""
+    B = h.shape[0]
+    qkv = qkv_projection(h, layer.attn_norm, layer.attn, cfg, interpret=interpret)
+    o, cache = fused_decode_attention(qkv, layer.attn, cache, positions, active, cfg, sliding, splits, interpret)
+    return output_projection(o.reshape(B, -1), layer.attn.o, h, interpret=interpret), cache
+
+
+# ---- references ------------------------------------------------------------------------------------------------
+
+def decode_mask(cache, positions: jax.Array, active: jax.Array, cfg: FlintConfig, sliding: bool) -> jax.Array:
+    """The mask of model.attention_block for one query per sequence over a cache that holds it: [B, 1, S]."""
+    q_pos = jnp.where(active, positions, -1)[:, None]
+    if sliding:
+        return L.attention_mask(q_pos, cache.pos, cfg.sliding_window)
+    S = cache.k.shape[2]
+    t = jnp.arange(S)[None, :]
+    return L.attention_mask(q_pos, jnp.where(t <= q_pos, t, -1), None)
+
+
+def ref_decode_attention(q, cache, positions, sinks, cfg: FlintConfig, sliding: bool, active=None, splits=None,
+                         interpret: bool = False):
+    del splits, interpret
+    if active is None:
+        active = jnp.ones((q.shape[0],), bool)
+    mask = decode_mask(cache, positions, active, cfg, sliding)
+    return L.attend(q[:, None], cache.k, cache.v, mask, sinks)[:, 0]
+
+
+def ref_attention_block_decode(h, layer, cache, positions, active, cfg: FlintConfig, sliding: bool, splits=None,
+                               interpret: bool = False):
+    """model.attention_block with T = 1, for one token per sequence at `positions`."""
+    from flint_jax.model import attention_block
+    del splits, interpret
+    out, cache = attention_block(h[:, None], layer, cache, positions[:, None], active[:, None],
+                                 positions + active.astype(jnp.int32), cfg, sliding)
+    return out[:, 0], cache

@@ -1,0 +1,189 @@
+"""Attention kernels of issue 5 (pallas_kernels/attention_prologue.py, decode_attention.py) against their references,
+in interpret mode on the CPU (what CI runs); scripts/bench_kernels_attention.py runs the same checks compiled on
+the GPU.
+
+Tolerances. The kernels round at the same BF16 points as layers.py, but their FP32 sums run in another order
+(blocked dot products, online softmax rescaling, split partials), so a BF16 result can land one ulp away when an
+FP32 value sits next to a rounding boundary, and such a flip propagates (a flipped K element changes every score
+slightly). Projections and finished Q/K/V: |got - ref| <= 2^-7 |ref| + 2^-8 * rms(ref) (one BF16 ulp, plus room
+for values that cancel). Attention outputs and the block output: within 2 BF16 ulps of max|ref| elementwise.
+Cache contents outside the written slot and ring positions are exact.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flint_jax.config import FULL, SLIDING, FlintConfig
+from flint_jax.params import init_params
+from flint_jax.pallas_kernels import attention_prologue as AP
+from flint_jax.pallas_kernels import decode_attention as DA
+from flint_jax.state import FullCache, RingCache
+
+W, S_MAX = 17, 256
+CFG = FlintConfig.tiny(hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                       sliding_window=W, num_hidden_layers=2, layer_types=(SLIDING, FULL))
+SINKS = {"-inf": -np.inf, "0": 0.0, "large": 30.0}
+
+
+def _jit(f, *static):
+    return jax.jit(functools.partial(f, interpret=True), static_argnames=static)
+
+
+qkv_k = _jit(AP.qkv_projection, "cfg")
+prologue_k = _jit(AP.attention_prologue, "cfg", "sliding")
+prologue_r = jax.jit(AP.ref_attention_prologue, static_argnames=("cfg", "sliding"))
+attend_k = _jit(DA.decode_attention, "cfg", "sliding", "splits")
+attend_r = jax.jit(DA.ref_decode_attention, static_argnames=("cfg", "sliding", "splits"))
+block_k = _jit(DA.attention_block_decode, "cfg", "sliding", "splits")
+block_r = jax.jit(DA.ref_attention_block_decode, static_argnames=("cfg", "sliding", "splits"))
+
+
+@functools.cache
+def params(weights):
+    return init_params(CFG, jax.random.key(0), weights)
+
+
+def f32(x):
+    return np.asarray(x, np.float32)
+
+
+def assert_ulp_close(got, ref):
+    got, ref = f32(got), f32(ref)
+    rms = float(np.sqrt(np.mean(ref ** 2)))
+    bad = np.abs(got - ref) > 2 ** -7 * np.abs(ref) + 2 ** -8 * rms
+    assert not bad.any(), f"{bad.sum()} of {bad.size} beyond one ulp; max diff {np.abs(got - ref).max()}"
+
+
+def assert_out_close(got, ref, ulps=2):
+    got, ref = f32(got), f32(ref)
+    assert not np.isnan(got).any() and not np.isnan(ref).any()
+    np.testing.assert_allclose(got, ref, rtol=0, atol=ulps * 2 ** -8 * float(np.abs(ref).max()))
+
+
+def ring_cache(key, positions, B=None):
+    """A ring holding positions max(0, p - W + 1) .. p of each sequence (p = -1: empty), random K/V."""
+    B = len(positions)
+    kk, kv = jax.random.split(key)
+    shape = (B, CFG.num_key_value_heads, W, CFG.head_dim)
+    slots = np.arange(W)
+    pos = np.full((B, W), -1, np.int32)
+    for b, p in enumerate(positions):
+        if p >= 0:
+            held = p - (p - slots) % W  # the newest position <= p in each slot
+            pos[b] = np.where(held >= 0, held, -1)
+    return RingCache(k=jax.random.normal(kk, shape).astype(jnp.bfloat16),
+                     v=jax.random.normal(kv, shape).astype(jnp.bfloat16), pos=jnp.asarray(pos))
+
+
+def full_cache(key, B):
+    kk, kv = jax.random.split(key)
+    shape = (B, CFG.num_key_value_heads, S_MAX, CFG.head_dim)
+    return FullCache(k=jax.random.normal(kk, shape).astype(jnp.bfloat16),
+                     v=jax.random.normal(kv, shape).astype(jnp.bfloat16))
+
+
+def random_q(key, B):
+    return jax.random.normal(key, (B, CFG.num_attention_heads, CFG.head_dim)).astype(jnp.bfloat16)
+
+
+def sinks_of(kind):
+    return jnp.full((CFG.num_attention_heads,), SINKS[kind], jnp.float32).at[1].add(-1.5)
+
+
+# ---- prologue --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("weights", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("sliding", [True, False], ids=["ring", "full"])
+def test_attention_prologue(weights, sliding):
+    layer = params(weights).layers[0 if sliding else 1]
+    positions = jnp.array([0, W - 1, W, 3 * W + 4], jnp.int32)
+    active = jnp.array([True, True, False, True])
+    B = len(positions)
+    h = jax.random.normal(jax.random.key(2), (B, CFG.hidden_size)).astype(jnp.bfloat16)
+    cache = ring_cache(jax.random.key(3), [-1, W - 2, W - 1, 3 * W + 3]) if sliding else full_cache(
+        jax.random.key(3), B)
+    q, new = prologue_k(h, layer.attn_norm, layer.attn, cache, positions, active, cfg=CFG, sliding=sliding)
+    q_ref, new_ref = prologue_r(h, layer.attn_norm, layer.attn, cache, positions, active, cfg=CFG, sliding=sliding)
+    assert_ulp_close(q, q_ref)
+    assert_ulp_close(new.k, new_ref.k)
+    assert_ulp_close(new.v, new_ref.v)
+    # Only the written slots changed.
+    slot = np.asarray(positions) % W if sliding else np.asarray(positions)
+    for b in range(B):
+        keep = np.ones(new.k.shape[2], bool)
+        if active[b]:
+            keep[slot[b]] = False
+        np.testing.assert_array_equal(f32(new.k[b][:, keep]), f32(cache.k[b][:, keep]))
+    if sliding:
+        np.testing.assert_array_equal(np.asarray(new.pos), np.asarray(new_ref.pos))
+
+
+# ---- decode attention over a cache that holds the token -------------------------------------------------------
+
+# Lengths 1, W-1, W, W+1 and several wraps of the ring in one batch (position = length - 1), plus an inactive
+# sequence (reads nothing: o = 0 when the sink is finite).
+RING_POSITIONS = [0, W - 2, W - 1, W, 3 * W + 5, 40]
+# With 4 splits of BLOCK_K = 64 keys: lengths at and around the chunk boundaries (64, 128, 192, 256 = max_len).
+FULL_POSITIONS = [0, 63, 64, 128, 190, 255]
+ACTIVE = jnp.array([True] * 5 + [False])
+
+
+def check_attention(cache, positions, sink, sliding, splits=None):
+    B = len(positions)
+    q = random_q(jax.random.key(7), B)
+    pos = jnp.asarray(positions, jnp.int32)
+    got = attend_k(q, cache, pos, sinks_of(sink), cfg=CFG, sliding=sliding, active=ACTIVE, splits=splits)
+    ref = attend_r(q, cache, pos, sinks_of(sink), cfg=CFG, sliding=sliding, active=ACTIVE)
+    if sink == "-inf":  # the inactive row is 0/0 in the reference too: compare the others
+        got, ref = got[:-1], ref[:-1]
+    else:
+        assert not f32(got[-1]).any()
+    assert_out_close(got, ref)
+
+
+@pytest.mark.parametrize("sink", list(SINKS))
+def test_decode_attention_ring(sink):
+    check_attention(ring_cache(jax.random.key(4), RING_POSITIONS), RING_POSITIONS, sink, sliding=True)
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("sink", list(SINKS))
+def test_decode_attention_full(splits, sink):
+    check_attention(full_cache(jax.random.key(6), len(FULL_POSITIONS)), FULL_POSITIONS, sink, sliding=False,
+                    splits=splits)
+
+
+def test_default_splits():
+    assert DA.default_splits(1, 4, sliding=True) == 1
+    assert DA.default_splits(1, 4, sliding=False) == 128  # 264 programs wanted -> 66 splits -> power of two
+    assert DA.default_splits(8, 4, sliding=False) == 16
+
+
+# ---- the whole block against model.attention_block ---------------------------------------------------------------
+
+@pytest.mark.parametrize("weights", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("sliding", [True, False], ids=["ring", "full"])
+def test_attention_block_decode_steps(weights, sliding):
+    """Two decode steps from caches at mixed lengths (incl. empty, W-1, W, wrapped; full-cache split
+    boundaries), one sequence inactive in the first step; each step's h and cache against the reference's."""
+    layer = params(weights).layers[0 if sliding else 1]
+    lengths = [0, W - 1, W, 3 * W + 2] if sliding else [0, 63, 64, 190]
+    B = len(lengths)
+    cache = ring_cache(jax.random.key(10), [n - 1 for n in lengths]) if sliding else full_cache(
+        jax.random.key(10), B)
+    cache_ref = cache
+    pos = jnp.asarray(lengths, jnp.int32)
+    for step in range(2):
+        h = jax.random.normal(jax.random.key(20 + step), (B, CFG.hidden_size)).astype(jnp.bfloat16)
+        active = jnp.array([True, step != 0, True, True])
+        got, cache = block_k(h, layer, cache, pos, active, cfg=CFG, sliding=sliding, splits=None if sliding else 4)
+        ref, cache_ref = block_r(h, layer, cache_ref, pos, active, cfg=CFG, sliding=sliding)
+        assert_out_close(got, ref)
+        assert_ulp_close(cache.k, cache_ref.k)
+        assert_ulp_close(cache.v, cache_ref.v)
+        if sliding:
+            np.testing.assert_array_equal(np.asarray(cache.pos), np.asarray(cache_ref.pos))
+        pos = pos + active.astype(jnp.int32)
