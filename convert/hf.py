@@ -145,7 +145,8 @@ class HFCheckpoint:
             if len(found) < len(e.hf):
                 if e.optional and not found:
                     continue
-                absent = [n for n in e.hf if n not in self.where]
+                absent = [n for x in expected for n in x.hf if n not in self.where
+                          and not (x.optional and not any(m in self.where for m in x.hf))]
                 more = f" (and {len(absent) - 1} more)" if len(absent) > 1 else ""
                 raise CheckpointError(self.path, f"missing from the checkpoint{more}", absent[0])
             for n in e.hf:
