@@ -1,0 +1,196 @@
+"""Small-batch GEMV (M = 1..8 rows) on NVFP4 or BF16 weights, with an optional fused RMSNorm prologue and residual
+epilogue; an FP32-output variant for the LM head; a fused gate/up + SwiGLU variant for the dense MLP.
+
+    gemv(x, w)                 = residual + linear(rmsnorm(x, norm_weight), w)      BF16 [M, N]
+    gemv_logits(x, w)          = rmsnorm(x, norm_weight) @ W.T * global_scale       FP32 [M, N]   (logits_from_hidden)
+    gemv_swiglu(x, gate, up)   = swiglu(linear(xn, gate), linear(xn, up))           BF16 [M, I]
+
+Grid: one program per block of BN output rows; each program loops over K (weight_tiles.stream_rows), decodes NVFP4
+in registers, accumulates in FP32 and applies the global scale to the accumulator. The norm of the (short) input row
+is recomputed by every program: M x K bf16 is a few KB, read from L2. Numerics: see weight_tiles (summation order
+is the only difference from the reference; products are exact).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from flint_jax import layers
+from flint_jax.params import Linear
+from flint_jax.pallas_kernels import weight_tiles as wt
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+NUM_SMS = 132  # H200; used only to keep at least two programs per SM in the block table
+
+
+class Blocks(NamedTuple):
+    bn: int  # output rows per program
+    bk: int  # K values per loop step
+    num_warps: int
+    num_stages: int
+    dot: bool = False  # tensor-core path: rows padded to 16, each K tile decoded to BF16 and fed to pl.dot
+
+
+def pick_blocks(spec: wt.WeightSpec, m: int, n_weights: int = 1) -> Blocks:
+    """Block sizes from a small table (tuned on the H200, docs/KERNELS.md), then shrunk so that N/BN >= 2 x SMs."""
+    if spec.kind == "nvfp4":
+        bn, bk, warps, stages = (32, 512, 4, 3) if m <= 2 else (16, 512, 4, 3)
+    else:
+        bn, bk, warps, stages = (16, 512, 4, 3) if m <= 2 else (8, 512, 4, 3)
+    if n_weights > 1:
+        bn = max(1, bn // 2)
+    min_bn = 8 if spec.kind == "nvfp4" else 4  # thinner blocks waste the decode's and the reduction's lanes
+    while bn > min_bn and spec.n // bn < 2 * NUM_SMS:
+        bn //= 2
+    bn = wt.largest_pow2_divisor(spec.n, bn)
+    return Blocks(bn, wt.k_tile(spec, bk), warps, stages)
+
+
+def _as_blocks(spec, m, n_weights, block) -> Blocks:
+    if block is None:
+        return pick_blocks(spec, m, n_weights)
+    b = Blocks(*block)
+    b = b._replace(bn=wt.largest_pow2_divisor(spec.n, b.bn), bk=wt.k_tile(spec, b.bk))
+    if b.dot and (b.bn < 16 or (b.bk // 2 if spec.kind == "nvfp4" else b.bk) < 16):
+        raise ValueError(f"the tensor-core path needs bn >= 16 and 16 values per K tile, got {b}")
+    return b
+
+
+def _pad_rows(a: jax.Array, mp: int) -> jax.Array:
+    return a if a.shape[0] == mp else jnp.pad(a, ((0, mp - a.shape[0]), (0, 0)))
+
+
+def _gemv_kernel(*refs, spec, n_weights, mp, blocks, has_norm, has_res, eps, mode):
+    it = iter(refs)
+    x_ref = next(it)
+    nw_ref = next(it) if has_norm else None
+    wrefs = [[next(it) for _ in range(spec.num_operands)] for _ in range(n_weights)]
+    res_ref = next(it) if has_res else None
+    o_ref = next(it)
+    bn, bk = blocks.bn, blocks.bk
+    n0 = pl.multiple_of(pl.program_id(0) * bn, bn)
+    xs = wt.XSource(x_ref, spec.kind, nw_ref, eps)
+    scales = [wt.global_scale(spec, r, 0) for r in wrefs]
+
+    def epilogue(accs, res):
+        ys = [wt.apply_global_scale(a, s) for a, s in zip(accs, scales)]
+        if mode == "logits":
+            return ys[0]
+        if mode == "swiglu":
+            return swiglu_f32(ys[0].astype(BF16), ys[1].astype(BF16))
+        y = ys[0].astype(BF16)
+        return y if res is None else (res.astype(F32) + y.astype(F32)).astype(BF16)
+
+    weights = [(spec, r) for r in wrefs]
+    if blocks.dot:
+        inv = xs.inv_rms_block(spec.k, bk) if has_norm else None
+        accs = wt.stream_rows_dot(xs, weights, n0, bn, bk, inv)
+        o_ref[...] = epilogue(accs, res_ref[...] if has_res else None)
+        return
+    inv = [xs.inv_rms(r, spec.k, bk) for r in range(mp)] if has_norm else None
+    accs = wt.stream_rows([xs] * mp, list(range(mp)), weights, [0] * n_weights, n0, bn, bk, inv)
+    for r in range(mp):
+        o_ref[r, :] = epilogue([accs[w * mp + r] for w in range(n_weights)], res_ref[r, :] if has_res else None)
+
+
+def swiglu_f32(g: jax.Array, u: jax.Array) -> jax.Array:
+    """layers.swiglu inside a kernel: bf16(bf16(silu(g)) * u), silu(g) = g / (1 + exp(-g)) in FP32."""
+    gf = g.astype(F32)
+    s = (gf / (1.0 + jnp.exp(-gf))).astype(BF16).astype(F32)
+    return (s * u.astype(F32)).astype(BF16)
+
+
+def _call(x, ws, *, norm_weight, eps, residual, interpret, mode, block):
+    if x.ndim != 2:
+        raise ValueError(f"x must be [M, K], got {x.shape}")
+    m, k = x.shape
+    specs_ops = [wt.weight_operands(w) for w in ws]
+    spec = specs_ops[0][0]
+    for s, _ in specs_ops:
+        if (s.kind, s.n, s.k) != (spec.kind, spec.n, spec.k):
+            raise ValueError("fused weights must have one kind and shape")
+    if spec.k != k:
+        raise ValueError(f"x has K={k} but the weight is [{spec.n}, {spec.k}]")
+    if not 1 <= m <= 8:
+        raise ValueError(f"gemv serves M = 1..8 rows, got {m}")
+    mp = wt.pow2_rows(m)
+    blocks = _as_blocks(spec, mp, len(ws), block)
+    if blocks.dot:
+        mp = 16
+    operands = [wt.x_operand(_pad_rows(x.astype(BF16), mp), spec.kind)]
+    if norm_weight is not None:
+        nw = norm_weight.astype(BF16)
+        operands.append(nw.reshape(k // wt.GROUP, wt.GROUP) if spec.kind == "nvfp4" else nw)
+    for _, ops in specs_ops:
+        operands.extend(ops)
+    in_specs = [pl.no_block_spec] * len(operands)
+    if residual is not None:
+        operands.append(_pad_rows(residual.astype(BF16), mp))
+        in_specs.append(pl.BlockSpec((mp, blocks.bn), lambda j: (0, j)))
+    out_dtype = F32 if mode == "logits" else BF16
+    kernel = functools.partial(_gemv_kernel, spec=spec, n_weights=len(ws), mp=mp, blocks=blocks,
+                               has_norm=norm_weight is not None, has_res=residual is not None, eps=float(eps),
+                               mode=mode)
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((mp, spec.n), out_dtype),
+        grid=(spec.n // blocks.bn,),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((mp, blocks.bn), lambda j: (0, j)),
+        compiler_params=plt.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
+        interpret=interpret,
+        name=f"{mode}_{spec.kind}",
+    )(*operands)
+    return out[:m]
+
+
+def gemv(x: jax.Array, w: Linear, *, norm_weight: jax.Array | None = None, eps: float = 1e-5,
+         residual: jax.Array | None = None, interpret: bool = False, block=None) -> jax.Array:
+    """`residual + linear(rmsnorm(x, norm_weight), w)`, each part optional. x [M, K] bf16 (M <= 8), w [N, K]
+    (BF16 or NVFP4) -> [M, N] bf16. `block` = (bn, bk, num_warps, num_stages) overrides the block table."""
+    return _call(x, [w], norm_weight=norm_weight, eps=eps, residual=residual, interpret=interpret, mode="linear",
+                 block=block)
+
+
+def ref_gemv(x: jax.Array, w: Linear, *, norm_weight: jax.Array | None = None, eps: float = 1e-5,
+             residual: jax.Array | None = None, interpret: bool = False, block=None) -> jax.Array:
+    del interpret, block
+    a = x if norm_weight is None else layers.rmsnorm(x, norm_weight, eps)
+    y = layers.linear(a, w)
+    return y if residual is None else residual + y
+
+
+def gemv_logits(x: jax.Array, w: Linear, *, norm_weight: jax.Array | None = None, eps: float = 1e-5,
+                interpret: bool = False, block=None) -> jax.Array:
+    """FP32 `rmsnorm(x, norm_weight) @ W.T * global_scale` (layers.logits_from_hidden): the LM head, no BF16
+    rounding of the output. x [M, K] bf16, w [V, K] -> [M, V] f32."""
+    return _call(x, [w], norm_weight=norm_weight, eps=eps, residual=None, interpret=interpret, mode="logits",
+                 block=block)
+
+
+def ref_gemv_logits(x, w, *, norm_weight=None, eps=1e-5, interpret=False, block=None):
+    del interpret, block
+    if norm_weight is not None:
+        return layers.logits_from_hidden(x, norm_weight, w, eps)
+    acc = jnp.einsum("mk,nk->mn", x.astype(BF16), layers.weight_values(w), preferred_element_type=F32)
+    return acc * w.global_scale if hasattr(w, "global_scale") else acc
+
+
+def gemv_swiglu(x: jax.Array, gate: Linear, up: Linear, *, norm_weight: jax.Array | None = None, eps: float = 1e-5,
+                interpret: bool = False, block=None) -> jax.Array:
+    """`swiglu(linear(xn, gate), linear(xn, up))` with xn = rmsnorm(x, norm_weight) (optional): both weights are
+    streamed by the same program, so the MLP's hidden activations are written once. x [M, K] -> [M, I] bf16."""
+    return _call(x, [gate, up], norm_weight=norm_weight, eps=eps, residual=None, interpret=interpret, mode="swiglu",
+                 block=block)
+
+
+def ref_gemv_swiglu(x, gate, up, *, norm_weight=None, eps=1e-5, interpret=False, block=None):
+    del interpret, block
+    a = x if norm_weight is None else layers.rmsnorm(x, norm_weight, eps)
+    return layers.swiglu(layers.linear(a, gate), layers.linear(a, up))

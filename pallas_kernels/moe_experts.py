@@ -1,0 +1,211 @@
+"""Routed + shared experts of a Flint MoE layer for decode (M <= 8 tokens), and the MLP half of a layer.
+
+    moe_block(h, layer, cfg)        = layers.mlp_block(h, layer, cfg) for an MoE layer, in three kernels:
+        1. router.router_logits     b = rmsnorm(h), FP32 logits = b @ router.T                      [M, E]
+        2. expert_gate_up           per (token, slot) pair and block of I rows: top-k recomputed from the logits,
+                                    the selected expert's gate and up rows streamed once, SwiGLU fused;
+                                    pairs M*k .. M*k+M-1 run the shared expert                  act [M*(k+1), I]
+        3. expert_down              per (token, block of H rows): the k routed experts' down rows and the shared
+                                    expert's, combined in FP32 with the routing weights, rounded once, plus the
+                                    residual                                                        h_new [M, H]
+    dense_mlp_block(h, layer, cfg)  = layers.mlp_block for a dense layer: gemv_swiglu + gemv(residual), two kernels.
+
+Expert ids are data: a program reads them from the logits at run time and indexes the stacked [E, N, K] weights
+with them (Triton pointer arithmetic), so one compiled kernel serves every routing and only the selected experts'
+bytes are read. With M tokens each (token, slot) pair reads its expert once (as layers.routed_experts_gathered
+does); two tokens that pick one expert read it twice, which at M <= 8 costs less than a sort.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from flint_jax import layers
+from flint_jax.config import FlintConfig
+from flint_jax.pallas_kernels import gemv as gemv_mod
+from flint_jax.pallas_kernels import router as router_mod
+from flint_jax.pallas_kernels import weight_tiles as wt
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+GATE_UP_BLOCK = (8, 512, 4, 3)  # (rows of I per program, K tile, warps, stages)
+DOWN_BLOCK = (8, 512, 4, 1)  # (rows of H per program, ...); I = 512 is one K step for Flint
+ROUTER_BLOCK = (2, 512, 4, 3)
+
+
+def _pick(e_or_n: int, k: int, kind: str, block) -> tuple[int, int, int, int]:
+    bn, bk, warps, stages = block
+    spec = wt.WeightSpec(kind, 1, e_or_n, k)
+    return wt.largest_pow2_divisor(e_or_n, bn), wt.k_tile(spec, bk), warps, stages
+
+
+def _gate_up_kernel(logits_ref, bias_ref, x_ref, *refs, m, k, g_spec, s_spec, has_shared, bn, bk, norm, scaling):
+    refs = list(refs)
+    o_ref = refs.pop()
+    ng, ns = g_spec.num_operands, (s_spec.num_operands if has_shared else 0)
+    gate, up = refs[:ng], refs[ng:2 * ng]
+    sgate, sup = refs[2 * ng:2 * ng + ns], refs[2 * ng + ns:2 * ng + 2 * ns]
+    p = pl.program_id(0)
+    n0 = pl.multiple_of(pl.program_id(1) * bn, bn)
+    xs = wt.XSource(x_ref, g_spec.kind)
+
+    def run(spec, g_refs, u_refs, t, e):
+        acc_g, acc_u = wt.stream_rows([xs], [t], [(spec, g_refs), (spec, u_refs)], [e, e], n0, bn, bk)
+        g = wt.apply_global_scale(acc_g, wt.global_scale(spec, g_refs, e)).astype(BF16)
+        u = wt.apply_global_scale(acc_u, wt.global_scale(spec, u_refs, e)).astype(BF16)
+        o_ref[0, :] = gemv_mod.swiglu_f32(g, u)
+
+    @pl.when(p < m * k)
+    def _routed():
+        t = p // k
+        slot = p - t * k
+        ids, _ = router_mod.select_experts(logits_ref[t, :], bias_ref[...], k, norm, scaling)
+        e = ids[0]
+        for s in range(1, k):
+            e = jnp.where(slot == s, ids[s], e)
+        run(g_spec, gate, up, t, e)
+
+    if has_shared:
+        @pl.when(p >= m * k)
+        def _shared():
+            run(s_spec, sgate, sup, p - m * k, 0)
+
+
+def expert_gate_up(b: jax.Array, logits: jax.Array, moe, cfg: FlintConfig, *, interpret: bool = False,
+                   block=None) -> jax.Array:
+    """SwiGLU activations of the selected experts (and the shared expert) for normed inputs b [M, H]:
+    row t*k + s is token t's slot-s expert, row M*k + t token t's shared expert. -> [M*(k+shared), I] bf16."""
+    m, hidden = b.shape
+    k = cfg.num_experts_per_tok
+    g_spec, g_ops = wt.weight_operands(moe.gate, stacked=True)
+    _, u_ops = wt.weight_operands(moe.up, stacked=True)
+    has_shared = moe.shared_gate is not None
+    operands = [logits.astype(F32), moe.router_bias.astype(F32), wt.x_operand(b.astype(BF16), g_spec.kind),
+                *g_ops, *u_ops]
+    s_spec = None
+    if has_shared:
+        s_spec, sg_ops = wt.weight_operands(moe.shared_gate)
+        _, su_ops = wt.weight_operands(moe.shared_up)
+        if (s_spec.kind, s_spec.n) != (g_spec.kind, g_spec.n):
+            raise NotImplementedError("the shared expert must have the routed experts' kind and intermediate size")
+        operands += [*sg_ops, *su_ops]
+    bn, bk, warps, stages = _pick(g_spec.n, hidden, g_spec.kind, block or GATE_UP_BLOCK)
+    pairs = m * (k + int(has_shared))
+    kernel = functools.partial(_gate_up_kernel, m=m, k=k, g_spec=g_spec, s_spec=s_spec, has_shared=has_shared,
+                               bn=bn, bk=bk, norm=bool(cfg.norm_topk_prob), scaling=float(cfg.routed_scaling_factor))
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((pairs, g_spec.n), BF16),
+        grid=(pairs, g_spec.n // bn),
+        in_specs=[pl.no_block_spec] * len(operands),
+        out_specs=pl.BlockSpec((1, bn), lambda p, j: (p, j)),
+        compiler_params=plt.CompilerParams(num_warps=warps, num_stages=stages),
+        interpret=interpret,
+        name=f"moe_gate_up_{g_spec.kind}",
+    )(*operands)
+
+
+def _down_kernel(logits_ref, bias_ref, x_ref, *refs, m, k, d_spec, s_spec, has_shared, bn, bk, norm, scaling):
+    refs = list(refs)
+    o_ref = refs.pop()
+    h_ref = refs.pop()
+    nd = d_spec.num_operands
+    down, sdown = refs[:nd], refs[nd:]
+    t = pl.program_id(0)
+    n0 = pl.multiple_of(pl.program_id(1) * bn, bn)
+    ids, ws = router_mod.select_experts(logits_ref[t, :], bias_ref[...], k, norm, scaling)
+    xs = wt.XSource(x_ref, d_spec.kind)
+    rows = [t * k + s for s in range(k)]
+    weights = [(d_spec, down)] * k
+    experts = list(ids)
+    if has_shared:
+        rows.append(m * k + t)
+        weights.append((s_spec, sdown))
+        experts.append(0)
+    accs = wt.stream_rows([xs] * len(rows), rows, weights, experts, n0, bn, bk,
+                          pairs=[(i, i) for i in range(len(rows))])
+    y = jnp.zeros((bn,), F32)
+    for s in range(k):
+        out_s = wt.apply_global_scale(accs[s], wt.global_scale(d_spec, down, ids[s])).astype(BF16)
+        y = y + ws[s] * out_s.astype(F32)
+    if has_shared:
+        y = y + wt.apply_global_scale(accs[k], wt.global_scale(s_spec, sdown, 0)).astype(BF16).astype(F32)
+    o_ref[0, :] = (h_ref[0, :].astype(F32) + y.astype(BF16).astype(F32)).astype(BF16)
+
+
+def expert_down(act: jax.Array, logits: jax.Array, moe, cfg: FlintConfig, residual: jax.Array, *,
+                interpret: bool = False, block=None) -> jax.Array:
+    """`residual + bf16(shared(act) + sum_s w_s * expert_s(act))` from expert_gate_up's rows: [M, H] bf16."""
+    m, hidden = residual.shape
+    k = cfg.num_experts_per_tok
+    d_spec, d_ops = wt.weight_operands(moe.down, stacked=True)
+    has_shared = moe.shared_down is not None
+    operands = [logits.astype(F32), moe.router_bias.astype(F32), wt.x_operand(act.astype(BF16), d_spec.kind),
+                *d_ops]
+    s_spec = None
+    if has_shared:
+        s_spec, sd_ops = wt.weight_operands(moe.shared_down)
+        if (s_spec.kind, s_spec.k) != (d_spec.kind, d_spec.k):
+            raise NotImplementedError("the shared expert must have the routed experts' kind and intermediate size")
+        operands += list(sd_ops)
+    bn, bk, warps, stages = _pick(hidden, d_spec.k, d_spec.kind, block or DOWN_BLOCK)
+    in_specs = [pl.no_block_spec] * len(operands) + [pl.BlockSpec((1, bn), lambda t, j: (t, j))]
+    operands.append(residual.astype(BF16))
+    kernel = functools.partial(_down_kernel, m=m, k=k, d_spec=d_spec, s_spec=s_spec, has_shared=has_shared,
+                               bn=bn, bk=bk, norm=bool(cfg.norm_topk_prob), scaling=float(cfg.routed_scaling_factor))
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((m, hidden), BF16),
+        grid=(m, hidden // bn),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((1, bn), lambda t, j: (t, j)),
+        compiler_params=plt.CompilerParams(num_warps=warps, num_stages=stages),
+        interpret=interpret,
+        name=f"moe_down_{d_spec.kind}",
+    )(*operands)
+
+
+def moe_block(h: jax.Array, layer, cfg: FlintConfig, *, interpret: bool = False, blocks: dict | None = None):
+    """`layers.mlp_block(h, layer, cfg)` for an MoE layer in three kernels. h [..., H] bf16 with at most 8 rows.
+    `blocks` may override "router", "gate_up", "down" block tuples (benchmark sweeps)."""
+    blocks = blocks or {}
+    lead = h.shape[:-1]
+    flat = h.reshape(-1, h.shape[-1])
+    moe = layer.mlp
+    logits, b = router_mod.router_logits(flat, moe.router, norm_weight=layer.mlp_norm, eps=cfg.rms_norm_eps,
+                                         interpret=interpret, block=blocks.get("router", ROUTER_BLOCK))
+    act = expert_gate_up(b, logits, moe, cfg, interpret=interpret, block=blocks.get("gate_up"))
+    out = expert_down(act, logits, moe, cfg, flat, interpret=interpret, block=blocks.get("down"))
+    return out.reshape(*lead, -1)
+
+
+def dense_mlp_block(h: jax.Array, layer, cfg: FlintConfig, *, interpret: bool = False, blocks: dict | None = None):
+    """`layers.mlp_block(h, layer, cfg)` for a dense layer: gemv_swiglu (norm fused) then gemv (residual fused)."""
+    blocks = blocks or {}
+    lead = h.shape[:-1]
+    flat = h.reshape(-1, h.shape[-1])
+    mlp = layer.mlp
+    act = gemv_mod.gemv_swiglu(flat, mlp.gate, mlp.up, norm_weight=layer.mlp_norm, eps=cfg.rms_norm_eps,
+                               interpret=interpret, block=blocks.get("gate_up"))
+    out = gemv_mod.gemv(act, mlp.down, residual=flat, interpret=interpret, block=blocks.get("down"))
+    return out.reshape(*lead, -1)
+
+
+def mlp_block(h: jax.Array, layer, cfg: FlintConfig, *, interpret: bool = False, blocks: dict | None = None):
+    """The MLP half of a layer with the Pallas kernels, dense or MoE by the layer's parameters."""
+    if hasattr(layer.mlp, "router"):
+        return moe_block(h, layer, cfg, interpret=interpret, blocks=blocks)
+    return dense_mlp_block(h, layer, cfg, interpret=interpret, blocks=blocks)
+
+
+def ref_moe_block(h, layer, cfg, *, interpret=False, blocks=None):
+    del interpret, blocks
+    return layers.mlp_block(h, layer, cfg)
+
+
+ref_dense_mlp_block = ref_moe_block
+ref_mlp_block = ref_moe_block

@@ -1,0 +1,153 @@
+"""MoE router: FP32 logits of the post-attention-normed hidden state, and sigmoid top-k selection.
+
+    router_logits(h, router, norm_weight)  -> (logits [M, E] f32, b = rmsnorm(h) [M, H] bf16)      one kernel
+    route(h, router, bias, cfg)            -> (ids [M, k] int32, weights [M, k] f32)              two kernels
+    select_experts(logits_row, bias, ...)  the in-kernel top-k, also run inside the expert kernels (moe_experts.py)
+
+The logits kernel spreads the E x H FP32 router matrix (2 MB for Flint) over E/BE programs; each recomputes the
+RMSNorm of its M rows (a few KB) and program 0 also writes b for the expert kernels, so the norm is fused here.
+Top-k needs all E logits, so it cannot run in the same launch as the logits without a grid-wide barrier; instead
+every expert-kernel program recomputes it from the 1 KB of logits (6 rounds of max / first-index / mask over E),
+which costs no extra launch. Ties go to the lower expert index, as `jax.lax.top_k` does in layers.route.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from flint_jax import layers
+from flint_jax.config import FlintConfig
+from flint_jax.pallas_kernels import weight_tiles as wt
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+
+
+def select_experts(logits: jax.Array, bias: jax.Array, k: int, norm_topk_prob: bool, scaling: float):
+    """In-kernel sigmoid top-k of one token. logits, bias f32 [E] -> (k expert ids, k weights) as scalars.
+    Selection by score + bias, ties to the lower index; weights from the unbiased score (layers.route)."""
+    e = logits.shape[0]
+    scores = 1.0 / (1.0 + jnp.exp(-logits))
+    sel = scores + bias
+    iota = jax.lax.broadcasted_iota(jnp.int32, (e,), 0)
+    ids, ws = [], []
+    for _ in range(k):
+        top = jnp.max(sel)
+        idx = jnp.min(jnp.where(sel == top, iota, e))
+        hit = iota == idx
+        ws.append(jnp.sum(jnp.where(hit, scores, 0.0)))
+        ids.append(idx)
+        sel = jnp.where(hit, -jnp.inf, sel)
+    if norm_topk_prob:
+        total = ws[0]
+        for w in ws[1:]:
+            total = total + w
+        ws = [w / total for w in ws]
+    return ids, [w * scaling for w in ws]
+
+
+def _logits_kernel(h_ref, nw_ref, r_ref, logits_ref, b_ref, *, mp, be, bk, eps, has_norm):
+    j = pl.program_id(0)
+    e0 = pl.multiple_of(j * be, be)
+    hidden = h_ref.shape[-1]
+    xs = wt.XSource(h_ref, "bf16", nw_ref if has_norm else None, eps)
+    inv = [xs.inv_rms(r, hidden, bk) for r in range(mp)] if has_norm else None
+    spec = wt.WeightSpec("bf16", 1, r_ref.shape[1], hidden)  # FP32 values; streamed like a BF16 weight
+    accs = wt.stream_rows([xs] * mp, list(range(mp)), [(spec, (r_ref,))], [0], e0, be, bk, inv)
+    for r in range(mp):
+        logits_ref[r, :] = accs[r]
+
+    @pl.when(j == 0)
+    def _():
+        def body(t, c):
+            k0 = pl.multiple_of(t * bk, bk)
+            for r in range(mp):
+                b_ref[r, pl.ds(k0, bk)] = xs.tile(r, t, bk, 0, None if inv is None else inv[r]).astype(BF16)
+            return c
+        jax.lax.fori_loop(0, hidden // bk, body, 0)
+
+
+def router_logits(h: jax.Array, router: jax.Array, *, norm_weight: jax.Array | None = None, eps: float = 1e-5,
+                  interpret: bool = False, block=None):
+    """FP32 router logits of b = rmsnorm(h, norm_weight) (or b = h): h [M, H] bf16, router [E, H] f32 ->
+    (logits [M, E] f32, b [M, H] bf16). `block` = (be, bk, num_warps, num_stages)."""
+    m, hidden = h.shape
+    e = router.shape[0]
+    if not 1 <= m <= 8:
+        raise ValueError(f"router kernel serves M = 1..8 rows, got {m}")
+    mp = wt.pow2_rows(m)
+    be, bk, warps, stages = block or (2, 512, 4, 3)
+    be = wt.largest_pow2_divisor(e, be)
+    bk = wt.largest_pow2_divisor(hidden, bk)
+    hp = h.astype(BF16) if m == mp else jnp.pad(h.astype(BF16), ((0, mp - m), (0, 0)))
+    nw = norm_weight.astype(BF16) if norm_weight is not None else jnp.ones((hidden,), BF16)
+    kernel = functools.partial(_logits_kernel, mp=mp, be=be, bk=bk, eps=float(eps),
+                               has_norm=norm_weight is not None)
+    logits, b = pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((mp, e), F32), jax.ShapeDtypeStruct((mp, hidden), BF16)),
+        grid=(e // be,),
+        in_specs=[pl.no_block_spec] * 3,
+        out_specs=(pl.BlockSpec((mp, be), lambda j: (0, j)), pl.no_block_spec),
+        compiler_params=plt.CompilerParams(num_warps=warps, num_stages=stages),
+        interpret=interpret,
+        name="router_logits",
+    )(hp, nw, router[None].astype(F32))
+    return logits[:m], b[:m]
+
+
+def _topk_kernel(logits_ref, bias_ref, ids_ref, w_ref, *, k, kp, norm, scaling):
+    t = pl.program_id(0)
+    ids, ws = select_experts(logits_ref[t, :], bias_ref[...], k, norm, scaling)
+    slot = jax.lax.broadcasted_iota(jnp.int32, (kp,), 0)
+    id_vec = jnp.zeros((kp,), jnp.int32)
+    w_vec = jnp.zeros((kp,), F32)
+    for s in range(k):
+        id_vec = jnp.where(slot == s, ids[s], id_vec)
+        w_vec = jnp.where(slot == s, ws[s], w_vec)
+    ids_ref[0, :] = id_vec
+    w_ref[0, :] = w_vec
+
+
+def top_k_experts(logits: jax.Array, bias: jax.Array, cfg: FlintConfig, *, interpret: bool = False):
+    """Sigmoid top-k of FP32 logits [M, E] (select_experts, one program per token) -> (ids [M, k], weights [M, k])."""
+    m, e = logits.shape
+    k = cfg.num_experts_per_tok
+    kp = wt.pow2_rows(k)
+    kernel = functools.partial(_topk_kernel, k=k, kp=kp, norm=bool(cfg.norm_topk_prob),
+                               scaling=float(cfg.routed_scaling_factor))
+    ids, w = pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((m, kp), jnp.int32), jax.ShapeDtypeStruct((m, kp), F32)),
+        grid=(m,),
+        in_specs=[pl.no_block_spec] * 2,
+        out_specs=(pl.BlockSpec((1, kp), lambda t: (t, 0)), pl.BlockSpec((1, kp), lambda t: (t, 0))),
+        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="router_top_k",
+    )(logits.astype(F32), bias.astype(F32))
+    return ids[:, :k], w[:, :k]
+
+
+def route(h: jax.Array, router: jax.Array, bias: jax.Array, cfg: FlintConfig, *,
+          norm_weight: jax.Array | None = None, interpret: bool = False):
+    """layers.route(rmsnorm(h, norm_weight), router, bias, cfg) with the norm fused: (ids [M, k] int32,
+    weights [M, k] f32). The MoE block does not call this: its expert kernels select in-kernel."""
+    logits, _ = router_logits(h, router, norm_weight=norm_weight, eps=cfg.rms_norm_eps, interpret=interpret)
+    return top_k_experts(logits, bias, cfg, interpret=interpret)
+
+
+def ref_route(h, router, bias, cfg, *, norm_weight=None, interpret=False):
+    del interpret
+    b = h if norm_weight is None else layers.rmsnorm(h, norm_weight, cfg.rms_norm_eps)
+    return layers.route(b, router, bias, cfg)
+
+
+def ref_router_logits(h, router, *, norm_weight=None, eps=1e-5, interpret=False, block=None):
+    del interpret, block
+    b = h if norm_weight is None else layers.rmsnorm(h, norm_weight, eps)
+    return jnp.einsum("mh,eh->me", b.astype(F32), router.astype(F32), precision=layers.HIGHEST), b

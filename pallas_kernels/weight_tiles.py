@@ -1,0 +1,310 @@
+"""Streaming a linear weight through a Pallas (Triton-lowered) GPU kernel: operand layout, in-register NVFP4 decode,
+and the K loop that every weight-streaming kernel of issue 4 shares (gemv.py, router.py, moe_experts.py).
+
+Operands (`weight_operands`), always with a leading expert axis (1 for a plain linear):
+
+    bf16   w       bf16  [E, N, K]
+    nvfp4  codes   uint8 [E, N, K/32, 16]   the planar-halves bytes of flint_jax.nvfp4, 16 per row of the last axis
+           scales  uint8 [E, N, K/16]       the E4M3 bits (same bytes, viewed as integers)
+           gscale  f32   [E]
+
+Both reshapes are free views in XLA. A K tile of G scale groups reads codes[e, n0:n0+BN, g0:g0+G, :] once: the low
+nibbles are values 16*g0 .. 16*(g0+G) (scales[g0:g0+G]) and the high nibbles the same positions + K/2 (scales
+[K/32+g0 : K/32+g0+G]); x is passed as [M, K/16, 16] so both halves are plain 3-D slices. 16 contiguous bytes per row
+and group keep the loads 16 bytes wide.
+
+Decode, with integer ops only (the Triton lowering has no fp4/fp8 casts we could rely on):
+  E2M1 code c (s e e m) -> the f16 bit pattern  (c & 7) << 9 | (c & 8) << 12, i.e. exponent field e and mantissa
+  bit m. That f16 is exactly E2M1(c) * 2^-14 (also for the subnormal code 1, which f16 represents exactly, and
+  the f16 -> f32 conversion is exact, so no flush-to-zero question arises).
+  E4M3 scale byte (s eeee mmm) -> f16 bits  (b & 0x7f) << 7 | (b & 0x80) << 8, which is E4M3(b) * 2^-8 (again
+  exact, subnormals included; 0x7f, E4M3's NaN, decodes as a finite 480 * 2^-8: scales are never NaN).
+  So value = f16(c) * (f16(b) * 2^22), all exact in f32 (E2M1 x E4M3 has at most 5 significant bits);
+  decode_scales returns the bracket, E4M3 * 2^14.
+Products x * value are exact in f32 (8 + 5 bits); the kernel multiplies the block scale after summing the 16
+products of its group (one multiply per 16 values instead of 16), so only the summation order differs from the
+reference's f32 dot: the FP32 result differs from XLA's by reordering alone (a few f32 ulps of the largest partial
+sum), which after the BF16 rounding of a linear output shows as at most one BF16 ulp on a small fraction of outputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from flint_jax import nvfp4
+from flint_jax.nvfp4 import NVFP4Weight
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+GROUP = nvfp4.BLOCK  # values per E4M3 scale = bytes per row of the codes' last axis
+_CODE_SCALE = 2.0 ** 22  # f16(code) * f16(scale) * 2^22 = E2M1 * E4M3
+
+
+# ---- wrapper side -------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class WeightSpec:
+    """Static facts about one streamed weight: its kind and logical [E, N, K] shape."""
+    kind: str  # "bf16" | "nvfp4"
+    experts: int
+    n: int
+    k: int
+
+    @property
+    def num_operands(self) -> int:
+        return 3 if self.kind == "nvfp4" else 1
+
+
+def weight_operands(w, stacked: bool = False) -> tuple[WeightSpec, tuple[jax.Array, ...]]:
+    """The kernel operands of a Linear (`[N, K]`, or `[E, N, K]` with stacked=True); see the module docstring."""
+    if isinstance(w, NVFP4Weight):
+        codes, scales, gs = w.codes, w.scales, jnp.asarray(w.global_scale, F32)
+        if not stacked:
+            codes, scales, gs = codes[None], scales[None], gs.reshape(1)
+        e, n, half = codes.shape
+        k = 2 * half
+        if k % (2 * GROUP):
+            raise ValueError(f"NVFP4 weight: K={k} must be a multiple of {2 * GROUP}")
+        codes = codes.reshape(e, n, half // GROUP, GROUP)
+        scales = jax.lax.bitcast_convert_type(scales, jnp.uint8)
+        return WeightSpec("nvfp4", e, n, k), (codes, scales, gs.reshape(e))
+    w = jnp.asarray(w)
+    if w.dtype != BF16:
+        raise ValueError(f"linear weights are BF16 or NVFP4, got {w.dtype}")
+    if not stacked:
+        w = w[None]
+    e, n, k = w.shape
+    return WeightSpec("bf16", e, n, k), (w,)
+
+
+def x_operand(x: jax.Array, kind: str) -> jax.Array:
+    """Activations [M, K] in the layout the weight kind streams against: [M, K/16, 16] for NVFP4."""
+    if kind == "nvfp4":
+        m, k = x.shape
+        return x.reshape(m, k // GROUP, GROUP)
+    return x
+
+
+def pow2_rows(m: int) -> int:
+    """Triton tensors have power-of-two shapes: M rows are padded to 1, 2, 4 or 8."""
+    p = 1
+    while p < m:
+        p *= 2
+    return p
+
+
+def largest_pow2_divisor(n: int, cap: int) -> int:
+    b = 1
+    while b * 2 <= cap and n % (b * 2) == 0:
+        b *= 2
+    return b
+
+
+def k_tile(spec: WeightSpec, bk: int) -> int:
+    """The K tile in values: a power of two dividing K (NVFP4: dividing K/2 per half, in whole groups)."""
+    if spec.kind == "nvfp4":
+        g = largest_pow2_divisor(spec.k // 2 // GROUP, max(1, bk // 2 // GROUP))
+        return 2 * GROUP * g
+    return largest_pow2_divisor(spec.k, bk)
+
+
+# ---- kernel side ----------------------------------------------------------------------------------------------------
+def _f16_bits_to_f32(bits_i32: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(bits_i32.astype(jnp.uint16), jnp.float16).astype(F32)
+
+
+def decode_codes(b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Code bytes (int32) -> (low nibble values, high nibble values) as f32, each E2M1 * 2^-14."""
+    lo = ((b & 0x7) << 9) | ((b & 0x8) << 12)
+    hi = ((b & 0x70) << 5) | ((b & 0x80) << 8)
+    return _f16_bits_to_f32(lo), _f16_bits_to_f32(hi)
+
+
+def decode_scales(b: jax.Array) -> jax.Array:
+    """E4M3 scale bytes (int32) -> f32 E4M3 * 2^14, which cancels decode_codes' 2^-14: code * scale = value."""
+    return _f16_bits_to_f32(((b & 0x7F) << 7) | ((b & 0x80) << 8)) * _CODE_SCALE
+
+
+@dataclasses.dataclass(frozen=True)
+class XSource:
+    """How the kernel reads the activations of one row: from `ref` (layout of `x_operand`), optionally RMS-normed
+    with `norm_ref` (same layout) on the fly: `nw * bf16(x * inv_rms)` rounded to BF16, FLINT_SPEC's rmsnorm."""
+    ref: object
+    kind: str
+    norm_ref: object = None
+    eps: float = 1e-5
+
+    def inv_rms(self, row, k: int, bk: int) -> jax.Array:
+        """rsqrt(mean(x^2) + eps) of one row, FP32, by a loop over K tiles."""
+        def body(t, ss):
+            xt = self._raw(row, t, bk, 0).astype(F32)
+            ss = ss + jnp.sum(xt * xt)
+            if self.kind == "nvfp4":
+                xh = self._raw(row, t, bk, 1).astype(F32)
+                ss = ss + jnp.sum(xh * xh)
+            return ss
+        ss = jax.lax.fori_loop(0, k // bk, body, jnp.zeros((), F32))
+        return jax.lax.rsqrt(ss / k + self.eps)
+
+    def inv_rms_block(self, k: int, bk: int) -> jax.Array:
+        """inv_rms of every row of `ref` at once: f32 [R] (the tensor-core path's [R, ...] tiles)."""
+        def sq(a):
+            a = a.astype(F32)
+            a = a * a
+            while a.ndim > 1:
+                a = jnp.sum(a, axis=-1)
+            return a
+
+        def body(t, ss):
+            ss = ss + sq(self._raw(slice(None), t, bk, 0))
+            if self.kind == "nvfp4":
+                ss = ss + sq(self._raw(slice(None), t, bk, 1))
+            return ss
+        ss = jax.lax.fori_loop(0, k // bk, body, jnp.zeros((self.ref.shape[0],), F32))
+        return jax.lax.rsqrt(ss / k + self.eps)
+
+    def _slice(self, ref, row, t, bk, half):
+        """Tile t of `ref` ([M, ...] with a row, or the [...] norm weight when row is None)."""
+        lead = () if row is None else (row,)
+        if self.kind == "nvfp4":
+            g = bk // 2 // GROUP
+            g0 = t * g + half * (ref.shape[-2] // 2)
+            return ref[(*lead, pl.ds(g0, g), slice(None))]
+        return ref[(*lead, pl.ds(pl.multiple_of(t * bk, bk), bk))]
+
+    def _raw(self, row, t, bk, half):
+        return self._slice(self.ref, row, t, bk, half)
+
+    def tile(self, row, t, bk, half, inv) -> jax.Array:
+        """The f32 activations of tile t (NVFP4: half 0 = low nibbles' values, 1 = high)."""
+        xt = self._raw(row, t, bk, half)
+        if self.norm_ref is None:
+            return xt.astype(F32)
+        nw = self._slice(self.norm_ref, None, t, bk, half)
+        if isinstance(row, slice):  # all rows: inv is [R], broadcast over the tile's other axes
+            inv = inv.reshape(inv.shape + (1,) * (xt.ndim - 1))
+            nw = nw[None]
+        normed = (xt.astype(F32) * inv).astype(BF16).astype(F32)
+        return (nw.astype(F32) * normed).astype(BF16).astype(F32)
+
+
+def stream_rows(xs: Sequence[XSource], rows: Sequence, weights: Sequence[tuple[WeightSpec, Sequence]],
+                experts: Sequence, n0, bn: int, bk: int, inv: Sequence | None = None,
+                pairs: Sequence[tuple[int, int]] | None = None) -> list[jax.Array]:
+    """FP32 accumulators `x_r @ W_w[e_w, n0:n0+bn, :].T` (without the global scale), one per (w, r) in `pairs`
+    (default: every weight with every row, weight-major).
+
+    xs[r] / rows[r]: where row r's activations come from; weights[w] = (spec, refs), experts[w] the expert index
+    (a traced scalar: expert ids are data). One loop over K streams every weight once and reuses each decoded tile
+    for all rows that pair with it. A single-step loop is emitted as straight-line code so that the loads of all
+    weights can be in flight together. Returns f32 [bn] per pair."""
+    spec0 = weights[0][0]
+    for spec, _ in weights:
+        if (spec.kind, spec.k) != (spec0.kind, spec0.k):
+            raise NotImplementedError("one kernel streams weights of one kind and one K")
+    k = spec0.k
+    steps = k // bk
+    nr = len(rows)
+    if pairs is None:
+        pairs = [(w, r) for w in range(len(weights)) for r in range(nr)]
+    used_rows = sorted({r for _, r in pairs})
+    inv = list(inv) if inv is not None else [None] * nr
+    nvfp4_kind = spec0.kind == "nvfp4"
+    g = bk // 2 // GROUP
+    half_groups = k // 2 // GROUP
+    init = tuple(jnp.zeros((bn, g) if nvfp4_kind else (bn,), F32) for _ in pairs)
+
+    def body(t, accs):
+        accs = list(accs)
+        if nvfp4_kind:
+            xl = {r: xs[r].tile(rows[r], t, bk, 0, inv[r]) for r in used_rows}
+            xh = {r: xs[r].tile(rows[r], t, bk, 1, inv[r]) for r in used_rows}
+            g0 = t * g
+            for wi, ((spec, (codes, scales, _)), e) in enumerate(zip(weights, experts)):
+                mine = [(i, r) for i, (w, r) in enumerate(pairs) if w == wi]
+                if not mine:
+                    continue
+                cb = codes[e, pl.ds(n0, bn), pl.ds(g0, g), :].astype(jnp.int32)  # [bn, g, 16]
+                s_lo = decode_scales(scales[e, pl.ds(n0, bn), pl.ds(g0, g)].astype(jnp.int32))
+                s_hi = decode_scales(scales[e, pl.ds(n0, bn), pl.ds(half_groups + g0, g)].astype(jnp.int32))
+                w_lo, w_hi = decode_codes(cb)
+                for i, r in mine:
+                    part = (jnp.sum(w_lo * xl[r][None], axis=2) * s_lo
+                            + jnp.sum(w_hi * xh[r][None], axis=2) * s_hi)
+                    accs[i] = accs[i] + part
+        else:
+            xt = {r: xs[r].tile(rows[r], t, bk, 0, inv[r]) for r in used_rows}
+            k0 = pl.multiple_of(t * bk, bk)
+            for wi, ((spec, (w,)), e) in enumerate(zip(weights, experts)):
+                mine = [(i, r) for i, (ww, r) in enumerate(pairs) if ww == wi]
+                if not mine:
+                    continue
+                wtile = w[e, pl.ds(n0, bn), pl.ds(k0, bk)].astype(F32)  # [bn, bk]
+                for i, r in mine:
+                    accs[i] = accs[i] + jnp.sum(wtile * xt[r][None], axis=1)
+        return tuple(accs)
+
+    if steps == 1:
+        accs = body(0, init)
+    else:
+        accs = jax.lax.fori_loop(0, steps, body, init)
+    if nvfp4_kind:
+        accs = tuple(jnp.sum(a, axis=1) for a in accs)
+    return list(accs)
+
+
+def _dot_nt(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a [R, K] @ b [N, K].T with an FP32 accumulator (tensor cores under the Triton lowering)."""
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=F32)
+
+
+def stream_rows_dot(xs: XSource, weights: Sequence[tuple[WeightSpec, Sequence]], n0, bn: int, bk: int,
+                    inv: jax.Array | None = None) -> list[jax.Array]:
+    """Tensor-core variant of stream_rows for a block of rows: `x[R, :] @ W_w[0, n0:n0+bn, :].T` as f32 [R, bn]
+    per weight, R = the rows of xs.ref (padded to 16 by the caller, the smallest MMA). Each K tile is decoded to
+    BF16 (exact: value = E2M1 x E4M3 has at most 5 significant bits) and multiplied on the tensor cores, so the FMA pipe
+    only decodes. Needs bn >= 16 and a K tile of at least 16 values per half."""
+    spec0 = weights[0][0]
+    k = spec0.k
+    rows = xs.ref.shape[0]
+    g = bk // 2 // GROUP
+    half_groups = k // 2 // GROUP
+
+    def body(t, accs):
+        accs = list(accs)
+        if spec0.kind == "nvfp4":
+            xl = xs.tile(slice(None), t, bk, 0, inv).astype(BF16).reshape(rows, g * GROUP)
+            xh = xs.tile(slice(None), t, bk, 1, inv).astype(BF16).reshape(rows, g * GROUP)
+            g0 = t * g
+            for wi, (spec, (codes, scales, _)) in enumerate(weights):
+                cb = codes[0, pl.ds(n0, bn), pl.ds(g0, g), :].astype(jnp.int32)
+                s_lo = decode_scales(scales[0, pl.ds(n0, bn), pl.ds(g0, g)].astype(jnp.int32))
+                s_hi = decode_scales(scales[0, pl.ds(n0, bn), pl.ds(half_groups + g0, g)].astype(jnp.int32))
+                w_lo, w_hi = decode_codes(cb)
+                w_lo = (w_lo * s_lo[:, :, None]).astype(BF16).reshape(bn, g * GROUP)
+                w_hi = (w_hi * s_hi[:, :, None]).astype(BF16).reshape(bn, g * GROUP)
+                accs[wi] = accs[wi] + _dot_nt(xl, w_lo) + _dot_nt(xh, w_hi)
+        else:
+            xt = xs.tile(slice(None), t, bk, 0, inv).astype(BF16)
+            k0 = pl.multiple_of(t * bk, bk)
+            for wi, (spec, (w,)) in enumerate(weights):
+                accs[wi] = accs[wi] + _dot_nt(xt, w[0, pl.ds(n0, bn), pl.ds(k0, bk)])
+        return tuple(accs)
+
+    init = tuple(jnp.zeros((rows, bn), F32) for _ in weights)
+    return list(jax.lax.fori_loop(0, k // bk, body, init))
+
+
+def global_scale(spec: WeightSpec, refs: Sequence, e) -> jax.Array | float:
+    """The weight's FP32 global scale for expert e (1.0 for BF16 weights)."""
+    if spec.kind == "nvfp4":
+        return refs[2][e]
+    return None
+
+
+def apply_global_scale(acc: jax.Array, gs) -> jax.Array:
+    return acc if gs is None else acc * gs
+

@@ -1,0 +1,139 @@
+"""Small-batch GEMV kernels (pallas_kernels/gemv.py) against their references, in interpret mode on the CPU.
+
+Set FLINT_PALLAS_COMPILED=1 to run the same cases compiled on a GPU (scripts/gpu_kernels_weights.sh does).
+
+Tolerance, and why: every product x * w is exact in FP32 (BF16 x BF16, and an NVFP4 value has at most 5
+significant bits), so kernel and reference differ only in the order of the FP32 sum over K (the kernel also applies
+each 16-value block scale after summing the block). That moves the FP32 accumulator by a few FP32 ulps of the
+partial sums; after the BF16 rounding of a linear output it can flip the rounding of an output that lies within
+that distance of a BF16 rounding boundary: at most 1 BF16 ulp, on a small fraction of outputs (0 in most interpret
+runs, where both sides run on the CPU). The FP32 logits are compared with a relative bound of 1e-5 of max |ref|.
+"""
+
+import os
+
+import flint_jax  # noqa: F401  (XLA_FLAGS first)
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flint_jax import layers, nvfp4
+from flint_jax.pallas_kernels import gemv as G
+from flint_jax.pallas_kernels import weight_tiles as wt
+
+INTERPRET = os.environ.get("FLINT_PALLAS_COMPILED", "") != "1"
+BF16, F32 = jnp.bfloat16, jnp.float32
+
+
+def bf16_ulps(a, b) -> np.ndarray:
+    def ordered(x):
+        i = np.asarray(jnp.asarray(x, BF16).view(jnp.int16)).astype(np.int32)
+        return np.where(i < 0, -32768 - i, i)
+    return np.abs(ordered(a) - ordered(b))
+
+
+def assert_bf16_close(out, ref, max_ulp=1, max_frac=0.02):
+    assert out.shape == ref.shape and out.dtype == ref.dtype == BF16
+    assert np.all(np.isfinite(np.asarray(out, np.float32)))
+    u = bf16_ulps(out, ref)
+    assert u.max() <= max_ulp, f"max {u.max()} BF16 ulps"
+    assert np.mean(u > 0) <= max_frac, f"{np.mean(u > 0):.3%} of outputs differ"
+
+
+def make_weight(key, n, k, kind, gs=1.7):
+    if kind == "nvfp4":
+        w = nvfp4.random(key, (n, k), 0.05)
+        return nvfp4.NVFP4Weight(w.codes, w.scales, jnp.float32(gs))
+    return (0.05 * jax.random.normal(key, (n, k), F32)).astype(BF16)
+
+
+def inputs(seed, m, n, k):
+    k1, k2, k3 = jax.random.split(jax.random.PRNGKey(seed), 3)
+    x = (2.0 * jax.random.normal(k1, (m, k), F32)).astype(BF16)
+    nw = (1 + 0.1 * jax.random.normal(k2, (k,), F32)).astype(BF16)
+    res = jax.random.normal(k3, (m, n), F32).astype(BF16)
+    return x, nw, res
+
+
+def test_decode_matches_nvfp4_dequantize_for_every_byte():
+    """The in-register decode (integer ops to f16 bits) equals flint_jax.nvfp4's table decode bit for bit, for all
+    256 code bytes and every finite E4M3 scale byte, including subnormal codes and scales."""
+    codes = jnp.arange(256, dtype=jnp.int32)
+    lo, hi = wt.decode_codes(codes)
+    table = jnp.asarray(nvfp4.E2M1_VALUES)
+    np.testing.assert_array_equal(np.asarray(lo * 2.0 ** 14), np.asarray(table[codes & 0xF]))
+    np.testing.assert_array_equal(np.asarray(hi * 2.0 ** 14), np.asarray(table[codes >> 4]))
+    sb = jnp.array([b for b in range(256) if b & 0x7F != 0x7F], jnp.uint8)
+    ref = jax.lax.bitcast_convert_type(sb, jnp.float8_e4m3fn).astype(F32)
+    np.testing.assert_array_equal(np.asarray(wt.decode_scales(sb.astype(jnp.int32)) * 2.0 ** -14), np.asarray(ref))
+
+
+@pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_gemv_norm_residual(kind, m):
+    n, k = 640, 512
+    x, nw, res = inputs(m, m, n, k)
+    w = make_weight(jax.random.PRNGKey(10 + m), n, k, kind)
+    out = G.gemv(x, w, norm_weight=nw, residual=res, interpret=INTERPRET)
+    assert_bf16_close(out, G.ref_gemv(x, w, norm_weight=nw, residual=res))
+
+
+@pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
+def test_gemv_plain_and_blocks(kind):
+    """No norm, no residual; N = 192 (not a power of two) and an explicit block override."""
+    n, k = 192, 256
+    x, _, _ = inputs(7, 3, n, k)
+    w = make_weight(jax.random.PRNGKey(3), n, k, kind, gs=0.37)
+    ref = G.ref_gemv(x, w)
+    assert_bf16_close(G.gemv(x, w, interpret=INTERPRET), ref)
+    assert_bf16_close(G.gemv(x, w, interpret=INTERPRET, block=(64, 64, 4, 2)), ref)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
+def test_gemv_tensor_core_path(kind):
+    """block=(..., dot=True): rows padded to 16, tiles decoded to BF16 and multiplied with a dot; all epilogues."""
+    n, k, m = 256, 512, 8
+    x, nw, res = inputs(40, m, n, k)
+    w = make_weight(jax.random.PRNGKey(41), n, k, kind)
+    blk = (32, 256, 4, 2, True)
+    f = jax.jit(lambda x, w, nw, res: (G.gemv(x, w, norm_weight=nw, residual=res, interpret=INTERPRET, block=blk),
+                                       G.gemv_logits(x, w, norm_weight=nw, interpret=INTERPRET, block=blk),
+                                       G.gemv_swiglu(x, w, w, interpret=INTERPRET, block=blk)))
+    out, logits, act = f(x, w, nw, res)
+    assert_bf16_close(out, G.ref_gemv(x, w, norm_weight=nw, residual=res))
+    ref = layers.logits_from_hidden(x, nw, w, 1e-5)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(ref), rtol=0, atol=1e-5 * float(jnp.max(jnp.abs(ref))))
+    assert_bf16_close(act, G.ref_gemv_swiglu(x, w, w))
+
+
+@pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("m", [1, 8])
+def test_gemv_logits_fp32(kind, m):
+    """The LM-head variant: final norm fused, FP32 output never rounded to BF16 (layers.logits_from_hidden)."""
+    n, k = 384, 256
+    x, nw, _ = inputs(20 + m, m, n, k)
+    w = make_weight(jax.random.PRNGKey(5), n, k, kind)
+    out = G.gemv_logits(x, w, norm_weight=nw, interpret=INTERPRET)
+    ref = layers.logits_from_hidden(x, nw, w, 1e-5)
+    assert out.dtype == F32 and out.shape == (m, n)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=0, atol=1e-5 * float(jnp.max(jnp.abs(ref))))
+
+
+@pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("m", [1, 3])
+def test_gemv_swiglu(kind, m):
+    n, k = 256, 512
+    x, nw, _ = inputs(30 + m, m, n, k)
+    gate = make_weight(jax.random.PRNGKey(1), n, k, kind, gs=1.3)
+    up = make_weight(jax.random.PRNGKey(2), n, k, kind, gs=0.8)
+    out = G.gemv_swiglu(x, gate, up, norm_weight=nw, interpret=INTERPRET)
+    assert_bf16_close(out, G.ref_gemv_swiglu(x, gate, up, norm_weight=nw))
+
+
+def test_gemv_rejects_bad_shapes():
+    w = make_weight(jax.random.PRNGKey(0), 64, 128, "bf16")
+    with pytest.raises(ValueError, match="M = 1..8"):
+        G.gemv(jnp.zeros((9, 128), BF16), w, interpret=True)
+    with pytest.raises(ValueError, match="K=64"):
+        G.gemv(jnp.zeros((1, 64), BF16), w, interpret=True)

@@ -1,0 +1,165 @@
+"""Router, routed/shared expert kernels and the MLP blocks (pallas_kernels/router.py, moe_experts.py) against
+flint_jax.layers, in interpret mode on the CPU (FLINT_PALLAS_COMPILED=1: compiled, on a GPU).
+
+Shapes are Flint's scaled down: H = 256, E = 16 experts, top-6, expert intermediate 128, shared expert, per-expert
+NVFP4 global scales != 1, a correction bias. Tolerances: expert ids must be equal; routing weights and FP32 logits
+agree to 1e-6 relative (the kernel's FP32 sums and its sigmoid 1 / (1 + exp(-x)) differ from XLA's in rounding
+only); block outputs `h + mlp(h)` within 1 BF16 ulp on at most 2% of elements (see test_kernels_gemv.py: the FP32
+accumulation order is the only difference, and every rounding point of FLINT_SPEC is reproduced).
+"""
+
+import os
+
+import flint_jax  # noqa: F401
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flint_jax import FlintConfig, layers, nvfp4, params
+from flint_jax.pallas_kernels import moe_experts as X
+from flint_jax.pallas_kernels import router as R
+
+INTERPRET = os.environ.get("FLINT_PALLAS_COMPILED", "") != "1"
+BF16, F32 = jnp.bfloat16, jnp.float32
+CFG = FlintConfig.tiny(hidden_size=256, moe_intermediate_size=128, intermediate_size=256, n_routed_experts=16,
+                       num_experts_per_tok=6, num_hidden_layers=3)
+
+
+def bf16_ulps(a, b) -> np.ndarray:
+    def ordered(x):
+        i = np.asarray(jnp.asarray(x, BF16).view(jnp.int16)).astype(np.int32)
+        return np.where(i < 0, -32768 - i, i)
+    return np.abs(ordered(a) - ordered(b))
+
+
+def assert_bf16_close(out, ref, max_ulp=1, max_frac=0.02):
+    assert out.shape == ref.shape and out.dtype == ref.dtype == BF16
+    assert np.all(np.isfinite(np.asarray(out, np.float32)))
+    u = bf16_ulps(out, ref)
+    assert u.max() <= max_ulp, f"max {u.max()} BF16 ulps"
+    assert np.mean(u > 0) <= max_frac, f"{np.mean(u > 0):.3%} of outputs differ"
+
+
+_rand_nvfp4 = jax.jit(nvfp4.random, static_argnums=(1, 2))
+
+
+def _linear(key, shape, kind, gs_seed):
+    """A random Linear; NVFP4 ones get global scales != 1 (one per expert for stacks)."""
+    std = 1.0 / np.sqrt(shape[-1])
+    if kind == "bf16":
+        return (std * jax.random.normal(key, shape, F32)).astype(BF16)
+    w = _rand_nvfp4(key, shape, float(std))
+    gs = 0.6 + jax.random.uniform(jax.random.PRNGKey(gs_seed), shape[:-2], F32)
+    return nvfp4.NVFP4Weight(w.codes, w.scales, gs)
+
+
+_LAYERS = {}
+
+
+def layer_of(kind, moe=True):
+    """One MLP half of a layer (params.Layer with only mlp_norm and mlp filled), built once per kind."""
+    if (kind, moe) not in _LAYERS:
+        H, E, I = CFG.hidden_size, CFG.n_routed_experts, CFG.moe_intermediate_size
+        ks = jax.random.split(jax.random.PRNGKey(42 + moe), 10)
+        norm = (1 + 0.1 * jax.random.normal(ks[0], (H,), F32)).astype(BF16)
+        if moe:
+            mlp = params.MoE(router=jax.random.normal(ks[1], (E, H), F32) / np.sqrt(H),
+                             router_bias=0.1 * jax.random.normal(ks[2], (E,), F32),
+                             gate=_linear(ks[3], (E, I, H), kind, 1), up=_linear(ks[4], (E, I, H), kind, 2),
+                             down=_linear(ks[5], (E, H, I), kind, 3), shared_gate=_linear(ks[6], (I, H), kind, 4),
+                             shared_up=_linear(ks[7], (I, H), kind, 5), shared_down=_linear(ks[8], (H, I), kind, 6))
+        else:
+            Id = CFG.intermediate_size
+            mlp = params.DenseMLP(gate=_linear(ks[3], (Id, H), kind, 7), up=_linear(ks[4], (Id, H), kind, 8),
+                                  down=_linear(ks[5], (H, Id), kind, 9))
+        _LAYERS[kind, moe] = params.Layer(attn_norm=None, attn=None, mlp_norm=norm, mlp=mlp)
+    return _LAYERS[kind, moe]
+
+
+def run_block(fn, h, layer, cfg):
+    """Kernels and reference both jitted (an eager interpret-mode call re-lowers every time)."""
+    return jax.jit(lambda h, layer: fn(h, layer, cfg))(h, layer)
+
+
+def kernel_block(h, layer, cfg):
+    return X.mlp_block(h, layer, cfg, interpret=INTERPRET)
+
+
+def hidden(seed, m):
+    return (2.0 * jax.random.normal(jax.random.PRNGKey(seed), (m, CFG.hidden_size), F32)).astype(BF16)
+
+
+@pytest.mark.parametrize("m", [1, 8])
+def test_router_logits_and_fused_norm(m):
+    layer = layer_of("bf16")
+    h = hidden(m, m)
+    logits, b = R.router_logits(h, layer.mlp.router, norm_weight=layer.mlp_norm, interpret=INTERPRET)
+    ref_logits, ref_b = R.ref_router_logits(h, layer.mlp.router, norm_weight=layer.mlp_norm)
+    assert_bf16_close(b, ref_b)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(ref_logits), rtol=0,
+                               atol=1e-6 * float(jnp.max(jnp.abs(ref_logits))))
+
+
+@pytest.mark.parametrize("case", ["bias", "tied_rows", "all_tied"])
+def test_route_top_k_ties_and_bias(case):
+    """ids equal layers.route's, including exact ties (equal score + bias), which go to the lower expert index."""
+    layer = layer_of("bf16")
+    router, bias = layer.mlp.router, layer.mlp.router_bias
+    E = CFG.n_routed_experts
+    if case == "tied_rows":  # experts 3, 9, 12 share router row and bias with expert 5: exact ties in any order
+        for e in (3, 9, 12):
+            router = router.at[e].set(router[5])
+            bias = bias.at[e].set(bias[5])
+        bias = bias.at[5].add(5.0).at[3].add(5.0).at[9].add(5.0).at[12].add(5.0)  # make sure they are selected
+    elif case == "all_tied":  # every score 0.5; bias decides, with repeated values
+        router = jnp.zeros_like(router)
+        bias = jnp.array([0.1, 0.3, 0.3, 0.0, 0.3, 0.2, 0.2, 0.0, 0.1, 0.3, 0.0, 0.0, 0.2, 0.0, 0.1, 0.3][:E], F32)
+    h = hidden(11, 4)
+    ids, w = R.route(h, router, bias, CFG, norm_weight=layer.mlp_norm, interpret=INTERPRET)
+    ref_ids, ref_w = R.ref_route(h, router, bias, CFG, norm_weight=layer.mlp_norm)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(ref_ids))
+    np.testing.assert_allclose(np.asarray(w), np.asarray(ref_w), rtol=1e-6, atol=1e-7)
+    if case == "all_tied":
+        np.testing.assert_array_equal(np.asarray(ids[0]), [1, 2, 4, 9, 15, 5])
+
+
+@pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_moe_block_matches_mlp_block(kind, m):
+    layer = layer_of(kind)
+    h = hidden(100 + m, m)
+    assert_bf16_close(run_block(kernel_block, h, layer, CFG), run_block(layers.mlp_block, h, layer, CFG))
+
+
+@pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
+def test_moe_block_without_shared_expert_and_scaled_weights(kind):
+    """No shared expert, routed_scaling_factor 2.5, no top-k normalisation; [B, T, H] input."""
+    cfg = CFG.replace(n_shared_experts=0, routed_scaling_factor=2.5, norm_topk_prob=False)
+    layer = layer_of(kind)
+    moe = layer.mlp
+    layer = params.Layer(None, None, layer.mlp_norm,
+                         params.MoE(moe.router, moe.router_bias, moe.gate, moe.up, moe.down, None, None, None))
+    h = hidden(5, 2).reshape(2, 1, -1)
+    assert_bf16_close(run_block(kernel_block, h, layer, cfg), run_block(layers.mlp_block, h, layer, cfg))
+
+
+@pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("m", [1, 3])
+def test_dense_mlp_block_matches_mlp_block(kind, m):
+    layer = layer_of(kind, moe=False)
+    h = hidden(200 + m, m)
+    assert_bf16_close(run_block(kernel_block, h, layer, CFG), run_block(layers.mlp_block, h, layer, CFG))
+
+
+def test_one_compiled_kernel_serves_every_routing():
+    """Expert ids are data: two inputs that route differently run through one jitted executable."""
+    layer = layer_of("nvfp4")
+    f = jax.jit(lambda h: X.moe_block(h, layer, CFG, interpret=INTERPRET))
+    h1, h2 = hidden(1, 1), hidden(2, 1)
+    ids1 = R.ref_route(h1, layer.mlp.router, layer.mlp.router_bias, CFG, norm_weight=layer.mlp_norm)[0]
+    ids2 = R.ref_route(h2, layer.mlp.router, layer.mlp.router_bias, CFG, norm_weight=layer.mlp_norm)[0]
+    assert not np.array_equal(np.asarray(ids1), np.asarray(ids2))
+    for h in (h1, h2):
+        assert_bf16_close(f(h), layers.mlp_block(h, layer, CFG))
+    assert f._cache_size() == 1
