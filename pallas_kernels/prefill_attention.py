@@ -14,14 +14,19 @@ Key-loop bounds (which blocks may hold an allowed key) assume what model_step gu
 positions are lengths[b] + t, so they only skip blocks that the mask would zero anyway.
 
 Grid (T / BQ, KV, B). A program takes BQ queries of the G = Hq / KV query heads that share one KV head, as
-BQ * G rows (token-major), so each K/V block is loaded once for G heads (GQA). Online softmax in FP32 with
-base-2 exponentials (the scale log2(e)/sqrt(D) is folded into the scores); the sink joins at the end:
-    m = max(m_keys, sink),  o = acc * 2^(m_keys - m) / (l * 2^(m_keys - m) + 2^(sink - m)).
-A row with no allowed key and a -inf sink gives 0 (the reference gives 0/0 there; no real token is in that case).
+BQ * G rows (token-major), so each K/V block is loaded once for G heads (GQA). Online softmax in FP32 that starts
+from the sink: m = sink, l = 1 (l = 0 for a -inf sink), acc = 0, then per key block
+    m' = max(m, max s),  l = l * e^(m - m') + sum e^(s - m'),  acc = acc * e^(m - m') + e^(s - m') @ V
+and o = acc / l. With one key block this is layers.attend's arithmetic operation for operation (s = q.k / sqrt(D),
+p = e^(s - m), denominator e^(sink - m) + sum p), so the CPU run matches the reference bit for bit in practice;
+with several blocks only the FP32 rescaling and summation order differ. A row with no allowed key and a -inf
+sink gives 0 (the reference gives 0/0 there; no real token is in that case).
 
-P @ V: p is FP32; the dot runs as two BF16 tensor-core products, p_hi = bf16(p) and p_lo = bf16(p - p_hi),
-against the BF16 values (exact in BF16), accumulated in FP32: p keeps 16 significant bits, an error of about 2^-17
-relative, far below the BF16 rounding of o (FLINT_SPEC: the value sum is FP32). `exact_pv=False` uses p_hi only.
+P @ V (`Block.pv`): "f32" is an FP32 dot like the reference's (interpret mode's default; on the GPU it would be
+a slow IEEE FP32 dot); "bf16x2" (the GPU default) runs two BF16 tensor-core products, p_hi = bf16(p) and
+p_lo = bf16(p - p_hi), against the BF16 values (exact in BF16) with FP32 accumulation: p keeps 16 significant
+bits, an error of about 2^-17 relative, far below the BF16 rounding of o; "bf16" uses p_hi only (the usual flash
+attention shortcut, about 2^-9 relative per probability).
 
 Block edges: a last block that would run past the end of the keys (or queries) starts earlier instead, at
 extent - BK, and masks the keys an earlier block already counted; so no load goes out of bounds and no extent
@@ -43,7 +48,6 @@ from flint_jax import layers as L
 from flint_jax.state import FullCache, RingCache
 
 F32, BF16 = jnp.float32, jnp.bfloat16
-LOG2E = math.log2(math.e)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +57,7 @@ class Block:
     bk: int = 64
     num_warps: int = 8
     num_stages: int = 2
-    exact_pv: bool = True
+    pv: str | None = None  # "f32" | "bf16x2" | "bf16"; None: "f32" in interpret mode, else "bf16x2"
 
 
 DEFAULT_BLOCK = Block()
@@ -74,7 +78,7 @@ def _dot(a, b):
     return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=F32)
 
 
-def _kernel(*refs, mode, G, BQ, BK, T, S, window, scale, exact_pv):
+def _kernel(*refs, mode, G, BQ, BK, T, S, window, sqrt_d, pv_mode):
     if mode == "ring":
         q_ref, qpos_ref, sink_ref, rk_ref, rv_ref, rpos_ref, ck_ref, cv_ref, o_ref = refs
     else:
@@ -86,26 +90,28 @@ def _kernel(*refs, mode, G, BQ, BK, T, S, window, scale, exact_pv):
     qt = q_ref[b, pl.ds(t0, BQ), pl.ds(kv * G, G), :].reshape(R, D)
     qp_tok = qpos_ref[b, pl.ds(t0, BQ)]
     qp = jnp.broadcast_to(qp_tok[:, None], (BQ, G)).reshape(R)
-    sink = jnp.broadcast_to(sink_ref[pl.ds(kv * G, G)][None, :], (BQ, G)).reshape(R).astype(F32) * LOG2E
-    c = scale * LOG2E
+    sink = jnp.broadcast_to(sink_ref[pl.ds(kv * G, G)][None, :], (BQ, G)).reshape(R).astype(F32)
 
     def step(carry, kt, vt, kp, fresh):
         """One key block: kt/vt [BK, D], kp [BK] positions (-1 = none), fresh [BK] not seen by an earlier block."""
         m, l, acc = carry
-        s = _dot_t(qt, kt) * c
+        s = _dot_t(qt, kt) / sqrt_d
         ok = (kp[None, :] >= 0) & (kp[None, :] <= qp[:, None]) & fresh[None, :]
         if window is not None:
             ok = ok & ((qp[:, None] - kp[None, :]) < window)
         s = jnp.where(ok, s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp2(m - m_safe)
-        p = jnp.exp2(s - m_safe[:, None])
+        alpha = jnp.exp(m - m_safe)
+        p = jnp.exp(s - m_safe[:, None])
         l = l * alpha + jnp.sum(p, axis=1)
-        p_hi = p.astype(BF16)
-        pv = _dot(p_hi, vt)
-        if exact_pv:
-            pv = pv + _dot((p - p_hi.astype(F32)).astype(BF16), vt)
+        if pv_mode == "f32":
+            pv = _dot(p, vt.astype(F32))
+        else:
+            p_hi = p.astype(BF16)
+            pv = _dot(p_hi, vt)
+            if pv_mode == "bf16x2":
+                pv = pv + _dot((p - p_hi.astype(F32)).astype(BF16), vt)
         return m_new, l, acc * alpha[:, None] + pv
 
     def edge(j, extent):
@@ -114,7 +120,8 @@ def _kernel(*refs, mode, G, BQ, BK, T, S, window, scale, exact_pv):
         idx = s0 + jnp.arange(BK, dtype=jnp.int32)
         return s0, idx, idx >= j * BK
 
-    carry = (jnp.full((R,), -jnp.inf, F32), jnp.zeros((R,), F32), jnp.zeros((R, D), F32))
+    # Start from the sink: e^(sink - m) is the denominator's first term (0 for a -inf sink).
+    carry = (sink, jnp.where(sink == -jnp.inf, 0.0, 1.0).astype(F32), jnp.zeros((R, D), F32))
     if mode == "ring":
         W = rk_ref.shape[2]  # ring slots
 
@@ -147,13 +154,8 @@ def _kernel(*refs, mode, G, BQ, BK, T, S, window, scale, exact_pv):
         n_full = jnp.minimum((q_max + BK) // BK, pl.cdiv(S, BK))
         carry = jax.lax.fori_loop(0, n_full, full_body, carry)
 
-    m, l, acc = carry
-    m_f = jnp.maximum(m, sink)
-    m_f = jnp.where(m_f == -jnp.inf, 0.0, m_f)
-    alpha = jnp.exp2(m - m_f)
-    denom = l * alpha + jnp.exp2(sink - m_f)
-    inv = jnp.where(denom > 0, 1.0 / jnp.where(denom > 0, denom, 1.0), 0.0)
-    o = acc * (alpha * inv)[:, None]
+    _, l, acc = carry
+    o = jnp.where(l[:, None] > 0, acc / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
     o_ref[b, pl.ds(t0, BQ), pl.ds(kv * G, G), :] = o.reshape(BQ, G, D).astype(o_ref.dtype)
 
 
@@ -187,8 +189,11 @@ def _launch(mode, q, q_pos, sinks, key_ops, *, S, window, block, interpret):
     Tp = max(T, BQ, BK if mode == "ring" else 1)
     qp = _pad_axis(q.astype(BF16), 1, Tp)
     posp = _pad_axis(q_pos.astype(jnp.int32), 1, Tp, -1)
+    pv_mode = block.pv or ("f32" if interpret else "bf16x2")
+    if pv_mode not in ("f32", "bf16x2", "bf16"):
+        raise ValueError(f"Block.pv must be 'f32', 'bf16x2' or 'bf16', got {pv_mode!r}")
     kernel = functools.partial(_kernel, mode=mode, G=G, BQ=BQ, BK=BK, T=Tp, S=S, window=window,
-                               scale=1.0 / math.sqrt(D), exact_pv=block.exact_pv)
+                               sqrt_d=math.sqrt(D), pv_mode=pv_mode)
     operands = [qp, posp, sinks.astype(F32), *key_ops]
     o = pl.pallas_call(
         kernel,

@@ -1,0 +1,97 @@
+"""The two halves of a layer for a prefill chunk (T > 1 tokens), built from the prefill kernels.
+
+    attention_block(h, layer, cache, positions, valid, lengths_after, cfg, sliding) -> (h, cache)
+    mlp_block(h, layer, cfg) -> h
+
+Same signatures and results as model.attention_block and layers.mlp_block (FLINT_SPEC section 2's rounding points):
+    attention: rmsnorm, Q/K/V projections, head norms and RoPE as layers.project_qkv (XLA), then
+               pallas_kernels.prefill_attention (sliding: the ring before the chunk + the chunk; full: the cache after
+               writing the chunk, up to lengths_after), then Wo and the residual. The chunk's K/V are written with
+               state.write_ring / state.write_full, exactly as the reference does.
+    MoE:       rmsnorm, routing (layers.route), (token, slot) pairs sorted by expert, grouped_swiglu (gate and up
+               fused) and grouped_matmul (down) over only the selected experts, the routing-weighted FP32 sum with
+               the shared expert, rounded once. Dense layers (the first two) are layers.mlp_block: one GEMM each.
+
+`interpret=None` picks Pallas interpret mode when JAX's default backend is the CPU. `blocks()` returns a
+model.Blocks for model_step.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from flint_jax import layers as L
+from flint_jax.config import FlintConfig
+from flint_jax.pallas_kernels import grouped_matmul as gm
+from flint_jax.pallas_kernels import prefill_attention as pa
+from flint_jax.state import write_full, write_ring
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+
+
+def _interpret(interpret: bool | None) -> bool:
+    return jax.default_backend() == "cpu" if interpret is None else interpret
+
+
+def attention_block(h: jax.Array, layer, cache, positions: jax.Array, valid: jax.Array, lengths_after: jax.Array,
+                    cfg: FlintConfig, sliding: bool, *, interpret: bool | None = None,
+                    block: pa.Block | None = None):
+    """`h + Wo(attention(rmsnorm(h)))` for a chunk h [B, T, H] at `positions` [B, T] (rows' valid tokens first),
+    reading and updating the layer's cache. Returns (h, cache)."""
+    interpret = _interpret(interpret)
+    B, T, _ = h.shape
+    a = L.rmsnorm(h, layer.attn_norm, cfg.rms_norm_eps)
+    q, k, v = L.project_qkv(a, layer.attn, positions, cfg, sliding)
+    q_pos = jnp.where(valid, positions, -1)
+    if sliding:
+        o = pa.ring_attention(q, k, v, q_pos, cache, layer.attn.sinks, cfg.sliding_window, interpret=interpret,
+                              block=block)
+        cache = write_ring(cache, k, v, positions, valid)
+    else:
+        cache = write_full(cache, k, v, positions, valid)
+        o = pa.full_attention(q, q_pos, cache, lengths_after, layer.attn.sinks, interpret=interpret, block=block)
+    return h + L.linear(o.reshape(B, T, -1), layer.attn.o), cache
+
+
+def routed_experts(b: jax.Array, moe, ids: jax.Array, num_experts: int, *, interpret: bool = False,
+                   blocks: tuple[gm.Block | None, gm.Block | None] = (None, None)) -> jax.Array:
+    """layers.routed_experts_grouped on the grouped kernels. b [N, H], ids [N, K] -> expert outputs [N, K, H] BF16."""
+    N, K = ids.shape
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    x = b[order // K]
+    act = gm.grouped_swiglu(x, moe.gate, moe.up, sizes, interpret=interpret, block=blocks[0])
+    y = gm.grouped_matmul(act, moe.down, sizes, interpret=interpret, block=blocks[1])
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(N * K, dtype=order.dtype))
+    return y[inverse].reshape(N, K, -1)
+
+
+def moe_mlp(b: jax.Array, moe, cfg: FlintConfig, *, interpret: bool = False,
+            blocks: tuple[gm.Block | None, gm.Block | None] = (None, None)) -> jax.Array:
+    """layers.moe_mlp with the routed experts on the grouped kernels. b [..., H] -> [..., H] BF16."""
+    lead = b.shape[:-1]
+    flat = b.reshape(-1, b.shape[-1])
+    ids, w = L.route(flat, moe.router, moe.router_bias, cfg)
+    outs = routed_experts(flat, moe, ids, cfg.n_routed_experts, interpret=interpret, blocks=blocks)
+    y = jnp.einsum("nk,nkh->nh", w, outs.astype(F32))
+    if moe.shared_gate is not None:
+        shared = L.linear(L.swiglu(L.linear(flat, moe.shared_gate), L.linear(flat, moe.shared_up)), moe.shared_down)
+        y = y + shared.astype(F32)
+    return y.astype(BF16).reshape(*lead, -1)
+
+
+def mlp_block(h: jax.Array, layer, cfg: FlintConfig, *, interpret: bool | None = None,
+              blocks: tuple[gm.Block | None, gm.Block | None] = (None, None)) -> jax.Array:
+    """Post-attention half of a layer: `h + mlp(rmsnorm(h))`, the sum rounded to BF16."""
+    if not hasattr(layer.mlp, "router"):
+        return L.mlp_block(h, layer, cfg)
+    b = L.rmsnorm(h, layer.mlp_norm, cfg.rms_norm_eps)
+    return h + moe_mlp(b, layer.mlp, cfg, interpret=_interpret(interpret), blocks=blocks)
+
+
+def blocks():
+    """model.Blocks with the prefill halves (for model_step with T > 1)."""
+    from flint_jax.model import Blocks
+    return Blocks(attention_block, mlp_block)

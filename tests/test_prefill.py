@@ -1,0 +1,71 @@
+"""Chunked prefill through flint_jax.prefill (the grouped-GEMM MoE and the flash prefill attention, Pallas in
+interpret mode on the CPU) equals the one-shot reference forward."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flint_jax import layers as L
+from flint_jax import model as M
+from flint_jax import prefill as P
+from flint_jax.config import FlintConfig
+from flint_jax.params import init_params
+from flint_jax.state import init_state
+
+
+def _blocks(impl, T):
+    return P.blocks() if impl == "prefill" else M.Blocks(M.attention_block, L.mlp_block)
+
+
+@pytest.fixture
+def prefill_step(monkeypatch):
+    monkeypatch.setattr(M, "_blocks", _blocks)
+    return jax.jit(M.model_step, static_argnames=("cfg", "impl"))
+
+
+def run_chunks(step, params, cfg, tokens, chunks, n_valid=None, max_len=48):
+    """Feed tokens [B, N] in chunks (row b real for its first n_valid[b] tokens); FP32 logits [B, N, V]."""
+    B, N = tokens.shape
+    n_valid = np.full((B,), N) if n_valid is None else np.asarray(n_valid)
+    state = init_state(cfg, B, max_len)
+    outs, pos = [], 0
+    for T in chunks:
+        n_new = jnp.asarray(np.clip(n_valid - pos, 0, T), jnp.int32)
+        h, state = step(params, state, tokens[:, pos:pos + T], n_new, cfg, impl="prefill")
+        outs.append(M.lm_logits(params, h, cfg))
+        pos += T
+    assert pos == N
+    return jnp.concatenate(outs, axis=1), state
+
+
+def assert_logits_close(got, ref):
+    # The kernels round at the reference's BF16 points; FP32 sums run in another order (K tiles, key blocks, the
+    # split P @ V), which can flip a last BF16 bit of an intermediate and show in later layers.
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=2e-2 * float(jnp.abs(ref).max()), rtol=0)
+    assert (jnp.argmax(got, -1) == jnp.argmax(ref, -1)).mean() > 0.97
+
+
+# Window 5: smaller than the chunks (the ring wraps inside a chunk); window 16: larger than a 7-token chunk.
+# Row 1 of the first case has only 9 real tokens (rows of different lengths share the chunks).
+CASES = [(5, "bf16", [16, 7], [23, 9]), (16, "nvfp4", [7, 16], [23, 23]), (5, "nvfp4", [23], [23, 23])]
+
+
+@pytest.mark.parametrize("window,weights,chunks,n_valid", CASES)
+def test_chunked_prefill_equals_reference_forward(prefill_step, window, weights, chunks, n_valid):
+    cfg = FlintConfig.tiny(sliding_window=window)
+    params = init_params(cfg, jax.random.key(0), weights)
+    tokens = jax.random.randint(jax.random.key(1), (2, 23), 0, cfg.vocab_size)
+    got, state = run_chunks(prefill_step, params, cfg, tokens, chunks, n_valid)
+    np.testing.assert_array_equal(np.asarray(state.lengths), n_valid)
+    for b, n in enumerate(n_valid):
+        assert_logits_close(got[b:b + 1, :n], M.forward(params, tokens[b:b + 1, :n], cfg))
+    # The K/V written are the reference's (same projections, same write functions).
+    ref_step = jax.jit(M.model_step, static_argnames=("cfg", "impl"))
+    ref_state, pos = init_state(cfg, 2, 48), 0
+    for T in chunks:
+        n_new = jnp.asarray(np.clip(np.asarray(n_valid) - pos, 0, T), jnp.int32)
+        _, ref_state = ref_step(params, ref_state, tokens[:, pos:pos + T], n_new, cfg, impl="xla")
+        pos += T
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(ref_state)):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert np.abs(a - b).max() <= 2e-2 * max(1.0, float(np.abs(b).max()))
