@@ -34,8 +34,8 @@ def _kernels() -> dict:
     return {
         "decode_attention": _optional("flint_jax.pallas_kernels.decode_attention", "attention_block_decode"),
         "decode_mlp": _optional("flint_jax.pallas_kernels.moe_experts", "mlp_block"),
-        "prefill_attention": _optional("flint_jax.prefill", "prefill_attention_block"),
-        "prefill_mlp": _optional("flint_jax.prefill", "prefill_mlp_block"),
+        "prefill_attention": _optional("flint_jax.prefill", "attention_block"),
+        "prefill_mlp": _optional("flint_jax.prefill", "mlp_block"),
     }
 
 
