@@ -233,16 +233,19 @@ def quantize_gguf_blocks(x: np.ndarray, divisor: float | None = None) -> np.ndar
         xb = rows[r0:r1].astype(np.float32).reshape(r1 - r0, k // BLOCK, BLOCK)
         if divisor is not None and divisor != 1.0:
             xb = xb / np.float32(divisor)
-        if not np.isfinite(xb).all():
+        mag = np.abs(xb)
+        amax = mag.max(axis=-1)  # [r, K/16]; NaN and inf propagate here
+        if not np.isfinite(amax).all():
             i = int(np.flatnonzero(~np.isfinite(xb))[0])
             raise NVFP4FormatError(f"non-finite value {xb.flat[i]} at row {r0 + i // k}, column {i % k}",
                                    block=(r0 * k + i) // GGUF_BLOCK)
-        mag = np.abs(xb)
-        sc = ue4m3_encode(mag.max(axis=-1) / np.float32(6.0))  # [r, K/16]
+        sc = ue4m3_encode(amax / np.float32(6.0))
         s = ue4m3_decode(sc)[..., None]
-        idx = (mag[..., None] > _E2M1_MIDPOINTS * s[..., None]).sum(axis=-1, dtype=np.uint8)  # magnitude code 0..7
-        idx = np.where(s > 0, idx, 0)
-        codes = np.where((xb < 0) & (idx > 0), idx | 8, idx).astype(np.uint8)  # [r, K/16, 16]
+        idx = np.zeros(mag.shape, np.uint8)  # magnitude code 0..7: how many midpoints |x| exceeds
+        for m in _E2M1_MIDPOINTS:
+            idx += mag > m * s
+        idx[np.broadcast_to(s == 0, idx.shape)] = 0
+        codes = idx | (((xb < 0) & (idx > 0)).view(np.uint8) << 3)  # [r, K/16, 16]
         out[r0:r1, :, :4] = sc.reshape(r1 - r0, nb, 4)
         out[r0:r1, :, 4:] = (codes[..., :8] | (codes[..., 8:] << 4)).reshape(r1 - r0, nb, 32)
     return out.reshape(*lead, nb * GGUF_BLOCK_BYTES)
