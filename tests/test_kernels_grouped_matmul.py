@@ -1,0 +1,133 @@
+"""Grouped-expert GEMM (pallas_kernels/grouped_matmul.py) against its references, in interpret mode on the CPU.
+
+Set FLINT_PALLAS_COMPILED=1 to run the same cases compiled on a GPU.
+
+Tolerance, and why: every product x * w is exact in FP32 (BF16 x BF16; an NVFP4 value has at most 6 significant
+bits and dequantizes exactly to BF16), so kernel and reference differ only in the order of the FP32 sum over K
+(tiles of bk, and NVFP4's two halves). After the BF16 rounding of the output that can flip an output lying within
+a few FP32 ulps of a BF16 rounding boundary: at most 1 BF16 ulp on a small fraction of outputs (none in the CPU
+runs, where both sides sum in the same order).
+"""
+
+import os
+
+import flint_jax  # noqa: F401  (XLA_FLAGS first)
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flint_jax import layers as L
+from flint_jax import nvfp4
+from flint_jax.pallas_kernels import grouped_matmul as gm
+
+INTERPRET = os.environ.get("FLINT_PALLAS_COMPILED", "") != "1"
+BF16, F32 = jnp.bfloat16, jnp.float32
+E, N, K = 8, 64, 128
+BLOCK = gm.Block(bm=16, bn=32, bk=32, num_warps=4, num_stages=1)  # several tiles, visits and K steps
+
+
+def bf16_ulps(a, b) -> np.ndarray:
+    def ordered(x):
+        i = np.asarray(jnp.asarray(x, BF16).view(jnp.int16)).astype(np.int32)
+        return np.where(i < 0, -32768 - i, i)
+    return np.abs(ordered(a) - ordered(b))
+
+
+def assert_bf16_close(out, ref, max_ulp=1, max_frac=0.02):
+    assert out.shape == ref.shape and out.dtype == ref.dtype == BF16
+    assert np.all(np.isfinite(np.asarray(out, np.float32)))
+    u = bf16_ulps(out, ref)
+    assert u.max() <= max_ulp, f"max {u.max()} BF16 ulps"
+    assert (u > 0).mean() <= max_frac, f"{(u > 0).mean():.3%} of outputs differ"
+
+
+def weights(kind, n=N, k=K, seed=0):
+    key = jax.random.key(seed)
+    if kind == "bf16":
+        return (jax.random.normal(key, (E, n, k), F32) / np.sqrt(k)).astype(BF16)
+    w = nvfp4.random(key, (E, n, k), 1 / np.sqrt(k))
+    # Global scales other than 1 (powers of two and not), one per expert.
+    return nvfp4.NVFP4Weight(w.codes, w.scales, jnp.linspace(0.25, 3.0, E).astype(F32))
+
+
+GROUPS = {
+    "uneven_with_empty": [5, 0, 17, 1, 0, 40, 3, 9],
+    "all_on_one_expert": [0, 0, 0, 75, 0, 0, 0, 0],
+    "last_expert_only": [0, 0, 0, 0, 0, 0, 0, 33],
+    "one_row_each": [1] * 8,
+    "tile_aligned": [16, 32, 0, 16, 0, 0, 0, 16],
+}
+
+
+def inputs(sizes, extra_rows=3):
+    sizes = jnp.asarray(sizes, jnp.int32)
+    R = int(sizes.sum()) + extra_rows  # rows past sum(group_sizes) are ignored
+    x = jax.random.normal(jax.random.key(7), (R, K), F32).astype(BF16)
+    return x, sizes, int(sizes.sum())
+
+
+@pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("groups", list(GROUPS))
+def test_grouped_matmul_matches_reference(kind, groups):
+    x, sizes, n = inputs(GROUPS[groups])
+    w = weights(kind)
+    out = gm.grouped_matmul(x, w, sizes, interpret=INTERPRET, block=BLOCK)
+    ref = gm.ref_grouped_matmul(x, w, sizes)
+    assert out.shape == (x.shape[0], N)
+    assert_bf16_close(out[:n], ref[:n])
+    # The reference is layers' ragged_dot formulation, on other tiles.
+    expert_of_row = jnp.repeat(jnp.arange(E), sizes, total_repeat_length=n)
+    np.testing.assert_array_equal(np.asarray(ref[:n], F32),
+                                  np.asarray(L._grouped_linear(x[:n], w, sizes, expert_of_row), F32))
+
+
+@pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("groups", ["uneven_with_empty", "all_on_one_expert"])
+def test_grouped_swiglu_matches_reference(kind, groups):
+    x, sizes, n = inputs(GROUPS[groups])
+    gate, up = weights(kind, seed=1), weights(kind, seed=2)
+    out = gm.grouped_swiglu(x, gate, up, sizes, interpret=INTERPRET, block=BLOCK)
+    ref = gm.ref_grouped_swiglu(x, gate, up, sizes)
+    assert_bf16_close(out[:n], ref[:n], max_ulp=2)  # a flipped gate or up bit moves the product by up to 2 ulps
+    expert_of_row = jnp.repeat(jnp.arange(E), sizes, total_repeat_length=n)
+    want = L.swiglu(L._grouped_linear(x[:n], gate, sizes, expert_of_row),
+                    L._grouped_linear(x[:n], up, sizes, expert_of_row))
+    np.testing.assert_array_equal(np.asarray(ref[:n], F32), np.asarray(want, F32))
+
+
+def test_down_projection_shape_with_default_blocks():
+    """The Flint-like aspect (K = I < N = H) through the default block table, rows not a multiple of bm."""
+    x, sizes, n = inputs(GROUPS["uneven_with_empty"], extra_rows=0)
+    w = weights("nvfp4", n=2 * K, k=K)
+    out = gm.grouped_matmul(x, w, sizes, interpret=INTERPRET)
+    assert_bf16_close(out, gm.ref_grouped_matmul(x, w, sizes))
+
+
+@pytest.mark.parametrize("groups", list(GROUPS))
+def test_layout_visits_cover_each_row_once(groups):
+    sizes = jnp.asarray(GROUPS[groups], jnp.int32)
+    R, bm = int(sizes.sum()) + 3, 16
+    lay = gm.group_layout(sizes, R, bm)
+    assert lay.expert.shape == (gm.max_visits(R, E, bm),)
+    cover = np.zeros(R, int)
+    owner = np.repeat(np.arange(E), np.asarray(sizes))
+    for e, r0, lo, hi in zip(*(np.asarray(a) for a in (lay.expert, lay.row0, lay.lo, lay.hi))):
+        if hi > lo:
+            assert r0 % bm == 0 and r0 <= lo < hi <= r0 + bm
+            assert (owner[lo:hi] == e).all()
+            cover[lo:hi] += 1
+    assert (cover[:int(sizes.sum())] == 1).all() and (cover[int(sizes.sum()):] == 0).all()
+    # Only the selected experts' work: the number of live visits is the tiles each group touches.
+    live = int((np.asarray(lay.hi) > np.asarray(lay.lo)).sum())
+    ends = np.cumsum(np.asarray(sizes))
+    starts = ends - np.asarray(sizes)
+    assert live == sum((e - 1) // bm - s // bm + 1 for s, e in zip(starts, ends) if e > s)
+
+
+def test_wrong_shapes_are_refused():
+    x, sizes, _ = inputs(GROUPS["one_row_each"])
+    with pytest.raises(ValueError, match="K="):
+        gm.grouped_matmul(x[:, :64], weights("bf16"), sizes, interpret=True)
+    with pytest.raises(ValueError, match="group_sizes"):
+        gm.grouped_matmul(x, weights("bf16"), sizes[:4], interpret=True)

@@ -1,0 +1,126 @@
+"""Prefill attention (pallas_kernels/prefill_attention.py) against layers.attend with layers.attention_mask, in
+interpret mode on the CPU. Set FLINT_PALLAS_COMPILED=1 to run the same cases compiled on a GPU.
+
+Tolerance, and why: the kernel runs the reference's operations (s = q.k / sqrt(D), p = e^(s - m), FP32 sums,
+o = acc / denominator) but in key blocks: a row's running max can rise from one block to the next, and the
+rescaling e^(m - m') and the blockwise sums round differently from the reference's one pass. Those are FP32
+rounding differences; after the BF16 rounding of o they flip at most a last bit (we allow 2 BF16 ulps on a few
+percent of outputs). With Block.pv = "bf16x2" (the GPU default) probabilities keep 16 bits: the same bound holds.
+"""
+
+import os
+
+import flint_jax  # noqa: F401  (XLA_FLAGS first)
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flint_jax.pallas_kernels import prefill_attention as pa
+from flint_jax.state import FullCache, RingCache, write_full, write_ring
+
+INTERPRET = os.environ.get("FLINT_PALLAS_COMPILED", "") != "1"
+BF16, F32 = jnp.bfloat16, jnp.float32
+B, T, Hq, KV, D, S = 2, 37, 4, 2, 16, 96
+BLOCK = pa.Block(rows=32, bk=16, num_warps=4, num_stages=1)  # 16 tokens x 2 heads per program, 16 keys a step
+
+
+def bf16_ulps(a, b) -> np.ndarray:
+    def ordered(x):
+        i = np.asarray(jnp.asarray(x, BF16).view(jnp.int16)).astype(np.int32)
+        return np.where(i < 0, -32768 - i, i)
+    return np.abs(ordered(a) - ordered(b))
+
+
+def assert_close(out, ref, rows, max_ulp=2, max_frac=0.05):
+    """Compare the real query rows (rows [B, T] bool)."""
+    out, ref = np.asarray(out, F32)[rows], np.asarray(ref, F32)[rows]
+    assert np.all(np.isfinite(out))
+    u = bf16_ulps(out, ref)
+    assert u.max() <= max_ulp, f"max {u.max()} BF16 ulps"
+    assert (u > 0).mean() <= max_frac, f"{(u > 0).mean():.3%} of outputs differ"
+
+
+def chunk(history, n_new, seed=0):
+    """A chunk after `history[b]` earlier tokens, row b real for n_new[b] tokens: q, k, v, q_pos, valid, and the
+    earlier tokens' k/v [B, max(history), KV, D] with their positions and validity."""
+    ks = jax.random.split(jax.random.key(seed), 5)
+    hist, n_new = jnp.asarray(history, jnp.int32), jnp.asarray(n_new, jnp.int32)
+    q = jax.random.normal(ks[0], (B, T, Hq, D), F32).astype(BF16)
+    k = jax.random.normal(ks[1], (B, T, KV, D), F32).astype(BF16)
+    v = jax.random.normal(ks[2], (B, T, KV, D), F32).astype(BF16)
+    t = jnp.arange(T)[None]
+    positions, valid = hist[:, None] + t, t < n_new[:, None]
+    H = max(int(hist.max()), 1)
+    hk = jax.random.normal(ks[3], (B, H, KV, D), F32).astype(BF16)
+    hv = jax.random.normal(ks[4], (B, H, KV, D), F32).astype(BF16)
+    hpos = jnp.broadcast_to(jnp.arange(H), (B, H))
+    return q, k, v, positions, valid, (hk, hv, hpos, hpos < hist[:, None])
+
+
+SINKS = {"minus_inf": [-np.inf] * Hq, "zero": [0.0] * Hq, "large": [30.0, 8.0, 3.0, -2.0]}
+MIXED_SINKS = [0.5, -np.inf, 2.0, -1.0]
+LENGTHS = {"fresh": ([0, 0], [T, T]), "mixed": ([20, 3], [T, 11]), "idle_row": ([50, 7], [T, 0])}
+
+
+@pytest.mark.parametrize("window", [5, 64])  # smaller and larger than the chunk
+@pytest.mark.parametrize("sinks", list(SINKS))
+@pytest.mark.parametrize("lengths", list(LENGTHS))
+def test_ring_attention_matches_reference(window, sinks, lengths):
+    q, k, v, positions, valid, (hk, hv, hpos, hvalid) = chunk(*LENGTHS[lengths])
+    ring = RingCache(jnp.zeros((B, KV, window, D), BF16), jnp.zeros((B, KV, window, D), BF16),
+                     jnp.full((B, window), -1, jnp.int32))
+    ring = write_ring(ring, hk, hv, hpos, hvalid)
+    q_pos = jnp.where(valid, positions, -1)
+    sk = jnp.asarray(SINKS[sinks], F32)
+    out = pa.ring_attention(q, k, v, q_pos, ring, sk, window, interpret=INTERPRET, block=BLOCK)
+    ref = pa.ref_ring_attention(q, k, v, q_pos, ring, sk, window)
+    assert_close(out, ref, np.asarray(valid))
+
+
+@pytest.mark.parametrize("sinks", list(SINKS))
+@pytest.mark.parametrize("lengths", list(LENGTHS))
+def test_full_attention_matches_reference(sinks, lengths):
+    q, k, v, positions, valid, (hk, hv, hpos, hvalid) = chunk(*LENGTHS[lengths], seed=1)
+    cache = FullCache(jnp.zeros((B, KV, S, D), BF16), jnp.zeros((B, KV, S, D), BF16))
+    cache = write_full(write_full(cache, hk, hv, hpos, hvalid), k, v, positions, valid)
+    lengths_after = jnp.asarray(LENGTHS[lengths][0]) + jnp.asarray(LENGTHS[lengths][1])
+    q_pos = jnp.where(valid, positions, -1)
+    sk = jnp.asarray(SINKS[sinks], F32)
+    out = pa.full_attention(q, q_pos, cache, lengths_after, sk, interpret=INTERPRET, block=BLOCK)
+    ref = pa.ref_full_attention(q, q_pos, cache, lengths_after, sk)
+    assert_close(out, ref, np.asarray(valid))
+
+
+@pytest.mark.parametrize("pv", ["bf16x2", "bf16"])
+def test_split_probabilities_stay_close(pv):
+    """The GPU's P @ V variants: bf16x2 within the same bound; plain bf16 within a few ulps."""
+    q, k, v, positions, valid, (hk, hv, hpos, hvalid) = chunk([20, 3], [T, T], seed=2)
+    ring = write_ring(RingCache(jnp.zeros((B, KV, 8, D), BF16), jnp.zeros((B, KV, 8, D), BF16),
+                                jnp.full((B, 8), -1, jnp.int32)), hk, hv, hpos, hvalid)
+    q_pos = jnp.where(valid, positions, -1)
+    sk = jnp.asarray(MIXED_SINKS, F32)
+    block = pa.Block(rows=32, bk=16, num_warps=4, num_stages=1, pv=pv)
+    out = pa.ring_attention(q, k, v, q_pos, ring, sk, 8, interpret=INTERPRET, block=block)
+    ref = pa.ref_ring_attention(q, k, v, q_pos, ring, sk, 8)
+    if pv == "bf16x2":
+        assert_close(out, ref, np.asarray(valid))
+    else:
+        np.testing.assert_allclose(np.asarray(out, F32), np.asarray(ref, F32), atol=2e-2, rtol=2e-2)
+
+
+def test_default_blocks_short_chunk_and_short_cache():
+    """Extents shorter than one block (a 3-token chunk, a ring of 5, a cache of 40) with the default block."""
+    q, k, v, positions, valid, (hk, hv, hpos, hvalid) = chunk([9, 2], [T, T], seed=3)
+    q, k, v, positions, valid = q[:, :3], k[:, :3], v[:, :3], positions[:, :3], valid[:, :3]
+    sk = jnp.asarray(MIXED_SINKS, F32)
+    q_pos = jnp.where(valid, positions, -1)
+    ring = write_ring(RingCache(jnp.zeros((B, KV, 5, D), BF16), jnp.zeros((B, KV, 5, D), BF16),
+                                jnp.full((B, 5), -1, jnp.int32)), hk, hv, hpos, hvalid)
+    out = pa.ring_attention(q, k, v, q_pos, ring, sk, 5, interpret=INTERPRET)
+    assert_close(out, pa.ref_ring_attention(q, k, v, q_pos, ring, sk, 5), np.asarray(valid))
+    cache = FullCache(jnp.zeros((B, KV, 40, D), BF16), jnp.zeros((B, KV, 40, D), BF16))
+    cache = write_full(write_full(cache, hk, hv, hpos, hvalid), k, v, positions, valid)
+    lengths_after = jnp.array([12, 5], jnp.int32)
+    out = pa.full_attention(q, q_pos, cache, lengths_after, sk, interpret=INTERPRET)
+    assert_close(out, pa.ref_full_attention(q, q_pos, cache, lengths_after, sk), np.asarray(valid))
