@@ -8,6 +8,13 @@ import os as _os
 if "xla_allow_excess_precision" not in _os.environ.get("XLA_FLAGS", ""):
     _os.environ["XLA_FLAGS"] = (_os.environ.get("XLA_FLAGS", "") + " --xla_allow_excess_precision=false").strip()
 
+# In a plain source checkout on sys.path (no `pip install -e .`, e.g. the GPU machine), the folders pallas_kernels/
+# and convert/ beside this package still import as flint_jax.pallas_kernels and flint_jax.convert. When the package
+# is installed, its import mapping takes precedence and this entry is never consulted.
+_checkout = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if _os.path.isdir(_os.path.join(_checkout, "pallas_kernels")):
+    __path__.append(_checkout)  # noqa: F821  (the package's own search path)
+
 from flint_jax.config import FlintConfig  # noqa: E402
 
 __all__ = ["FlintConfig"]
