@@ -55,26 +55,31 @@ def attention_block(h: jax.Array, layer, cache, positions: jax.Array, valid: jax
 
 
 def routed_experts(b: jax.Array, moe, ids: jax.Array, num_experts: int, *, interpret: bool = False,
-                   blocks: tuple[gm.Block | None, gm.Block | None] = (None, None)) -> jax.Array:
-    """layers.routed_experts_grouped on the grouped kernels. b [N, H], ids [N, K] -> expert outputs [N, K, H] BF16."""
+                   blocks: tuple[gm.Block | None, gm.Block | None] = (None, None),
+                   reference: bool = False) -> jax.Array:
+    """layers.routed_experts_grouped on the grouped kernels. b [N, H], ids [N, K] -> expert outputs [N, K, H] BF16.
+    reference=True runs the same steps with the kernels' plain-JAX references (usable on the GPU at 8K tokens)."""
     N, K = ids.shape
     flat = ids.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     x = b[order // K]
-    act = gm.grouped_swiglu(x, moe.gate, moe.up, sizes, interpret=interpret, block=blocks[0])
-    y = gm.grouped_matmul(act, moe.down, sizes, interpret=interpret, block=blocks[1])
+    swiglu_fn, matmul_fn = ((gm.ref_grouped_swiglu, gm.ref_grouped_matmul) if reference
+                            else (gm.grouped_swiglu, gm.grouped_matmul))
+    act = swiglu_fn(x, moe.gate, moe.up, sizes, interpret=interpret, block=blocks[0])
+    y = matmul_fn(act, moe.down, sizes, interpret=interpret, block=blocks[1])
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(N * K, dtype=order.dtype))
     return y[inverse].reshape(N, K, -1)
 
 
 def moe_mlp(b: jax.Array, moe, cfg: FlintConfig, *, interpret: bool = False,
-            blocks: tuple[gm.Block | None, gm.Block | None] = (None, None)) -> jax.Array:
+            blocks: tuple[gm.Block | None, gm.Block | None] = (None, None), reference: bool = False) -> jax.Array:
     """layers.moe_mlp with the routed experts on the grouped kernels. b [..., H] -> [..., H] BF16."""
     lead = b.shape[:-1]
     flat = b.reshape(-1, b.shape[-1])
     ids, w = L.route(flat, moe.router, moe.router_bias, cfg)
-    outs = routed_experts(flat, moe, ids, cfg.n_routed_experts, interpret=interpret, blocks=blocks)
+    outs = routed_experts(flat, moe, ids, cfg.n_routed_experts, interpret=interpret, blocks=blocks,
+                          reference=reference)
     y = jnp.einsum("nk,nkh->nh", w, outs.astype(F32))
     if moe.shared_gate is not None:
         shared = L.linear(L.swiglu(L.linear(flat, moe.shared_gate), L.linear(flat, moe.shared_up)), moe.shared_down)
@@ -83,12 +88,13 @@ def moe_mlp(b: jax.Array, moe, cfg: FlintConfig, *, interpret: bool = False,
 
 
 def mlp_block(h: jax.Array, layer, cfg: FlintConfig, *, interpret: bool | None = None,
-              blocks: tuple[gm.Block | None, gm.Block | None] = (None, None)) -> jax.Array:
-    """Post-attention half of a layer: `h + mlp(rmsnorm(h))`, the sum rounded to BF16."""
+              blocks: tuple[gm.Block | None, gm.Block | None] = (None, None), reference: bool = False) -> jax.Array:
+    """Post-attention half of a layer: `h + mlp(rmsnorm(h))`, the sum rounded to BF16. `blocks`: (gate/up, down)
+    tile sizes of the grouped kernels (None: the table's)."""
     if not hasattr(layer.mlp, "router"):
         return L.mlp_block(h, layer, cfg)
     b = L.rmsnorm(h, layer.mlp_norm, cfg.rms_norm_eps)
-    return h + moe_mlp(b, layer.mlp, cfg, interpret=_interpret(interpret), blocks=blocks)
+    return h + moe_mlp(b, layer.mlp, cfg, interpret=_interpret(interpret), blocks=blocks, reference=reference)
 
 
 def blocks():

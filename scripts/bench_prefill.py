@@ -1,0 +1,786 @@
+"""Prefill benchmark at the Flint shape (issue 7): grouped-expert GEMMs, chunked prefill attention, 8K prefill, TTFT.
+
+    python scripts/bench_prefill.py --check --out results/prefill --budget-s 220     # the GPU run (one H200)
+    python scripts/bench_prefill.py --tiny --check --out /tmp/bench_prefill          # CPU smoke test (< 1 min)
+
+Sections, in order, each skipped (and said so) when the remaining --budget-s cannot cover it; results are written
+(JSON + Markdown) after every section, so a run cut short still leaves what it measured:
+
+  check   kernels vs their plain-JAX references on the GPU at moderate shapes with Flint's head and expert shapes
+  moe     one MoE layer's expert GEMMs at 8,192 tokens (49,152 (token, expert) pairs, 256 experts):
+          jax.lax.ragged_dot (default GPU lowering, and with jax_ragged_dot_use_gpu_pallas_triton_lowering),
+          jax.experimental.pallas.ops.gpu.ragged_dot_mgpu (BF16 only), our grouped kernels (BF16 and NVFP4, with a
+          small block sweep whose winners the prefill then uses), and our tiled plain-JAX reference
+  attn    the prefill attention kernels for an 8,192-token chunk (sliding ring; full at offsets 0 and ~92K) and
+          layers.attend where it fits
+  prefill per weight format (NVFP4, then BF16; the parameters are initialised on the device under jax.jit and
+          freed before the next format): an 8,192-token prompt at batch 1, one chunk and in chunks, kernels vs the
+          reference blocks (model.attention_block + the MoE with the tiled reference GEMMs; layers.mlp_block's
+          ragged_dot is measured in `moe` only: on the GPU it expands to dense matmuls over all 256 experts)
+  ttft    a 100K-token prompt in chunks of --chunk (NVFP4 first): wall time to the first token's logits, and its
+          breakdown by timing the parts separately (each part synchronised; see the Markdown notes)
+
+The layers run as a Python loop over per-layer jitted blocks (one compile per layer kind, not one 49-layer
+program), which keeps compile time inside the budget; the arithmetic is exactly flint_jax.prefill's blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import flint_jax  # noqa: E402,F401  (XLA flags before JAX starts)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from flint_jax import layers as L  # noqa: E402
+from flint_jax import model as M  # noqa: E402
+from flint_jax import nvfp4  # noqa: E402
+from flint_jax import prefill as P  # noqa: E402
+from flint_jax.config import FlintConfig  # noqa: E402
+from flint_jax import params as params_mod  # noqa: E402
+from flint_jax.pallas_kernels import grouped_matmul as gm  # noqa: E402
+from flint_jax.pallas_kernels import prefill_attention as pa  # noqa: E402
+from flint_jax.state import FullCache, KVState, RingCache, init_state, write_full, write_ring  # noqa: E402
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+VLLM_GB200_8K_MS = 145.0
+T0 = time.time()
+
+# Block sweep candidates (all checked to compile for sm_90 without register spills with Triton 3.6).
+GM_SWEEP = {
+    ("bf16", "swiglu"): [gm.Block(64, 128, 64, 8, 3), gm.Block(128, 128, 64, 8, 3), gm.Block(64, 64, 64, 4, 4),
+                         gm.Block(128, 64, 64, 4, 3)],
+    ("bf16", "linear"): [gm.Block(64, 128, 64, 4, 3), gm.Block(128, 128, 64, 8, 3), gm.Block(64, 256, 64, 8, 3)],
+    ("nvfp4", "swiglu"): [gm.Block(128, 64, 64, 8, 3), gm.Block(64, 64, 64, 4, 3), gm.Block(64, 128, 64, 8, 3)],
+    ("nvfp4", "linear"): [gm.Block(128, 128, 64, 8, 3), gm.Block(64, 128, 64, 4, 3), gm.Block(128, 64, 64, 4, 3),
+                          gm.Block(64, 128, 32, 4, 4)],
+}
+ATTN_SWEEP = [pa.Block(128, 64, 8, 2), pa.Block(128, 32, 8, 2), pa.Block(64, 64, 4, 2)]
+
+
+def log(msg: str) -> None:
+    print(f"[{time.time() - T0:7.1f}s] {msg}", flush=True)
+
+
+class Run:
+    """Results, budget and output files."""
+
+    def __init__(self, args):
+        self.args = args
+        self.deadline = T0 + args.budget_s
+        self.results: dict = {"meta": {}, "check": {}, "moe": {}, "attn": {}, "prefill": {}, "ttft": {},
+                              "skipped": [], "errors": []}
+        os.makedirs(args.out, exist_ok=True)
+
+    def left(self) -> float:
+        return self.deadline - time.time()
+
+    def allows(self, need_s: float, what: str) -> bool:
+        if self.left() < need_s:
+            msg = f"{what}: skipped, {self.left():.0f} s of budget left, needs about {need_s:.0f} s"
+            log(msg)
+            self.results["skipped"].append(msg)
+            self.save()
+            return False
+        return True
+
+    def error(self, what: str, e: BaseException) -> None:
+        msg = f"{what}: {type(e).__name__}: {str(e)[:600]}"
+        log("ERROR " + msg)
+        traceback.print_exc(limit=3)
+        self.results["errors"].append(msg)
+        self.save()
+
+    def save(self) -> None:
+        with open(os.path.join(self.args.out, "bench_prefill.json"), "w") as f:
+            json.dump(self.results, f, indent=1, default=str)
+        with open(os.path.join(self.args.out, "bench_prefill.md"), "w") as f:
+            f.write(markdown(self.results))
+
+
+def sync(x):
+    return jax.block_until_ready(x)
+
+
+def time_fn(fn, reps: int = 3):
+    """(first call s, [ms of the next reps]); fn() must return arrays to wait for."""
+    t = time.perf_counter()
+    sync(fn())
+    first = time.perf_counter() - t
+    ms = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        sync(fn())
+        ms.append(1e3 * (time.perf_counter() - t))
+    return first, ms
+
+
+def bf16_ulp_stats(a, b) -> dict:
+    def ordered(x):
+        i = np.asarray(jnp.asarray(x, BF16).view(jnp.int16)).astype(np.int32)
+        return np.where(i < 0, -32768 - i, i)
+    a, b = np.asarray(a), np.asarray(b)
+    u = np.abs(ordered(a) - ordered(b))
+    fa, fb = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return {"max_ulp": int(u.max()), "frac_differ": float((u > 0).mean()), "finite": bool(np.isfinite(fa).all()),
+            "max_abs": float(np.abs(fa - fb).max()), "ref_max_abs": float(np.abs(fb).max())}
+
+
+# ---- FLOPs ---------------------------------------------------------------------------------------------------------
+def prefill_flops(cfg: FlintConfig, start: int, n: int) -> dict:
+    """Useful FLOPs of prefilling tokens [start, start + n) after `start` earlier ones (batch 1): matmuls at 2 per
+    MAC over the active weights, attention 4 * Hq * D per (query, allowed key), the LM head for the last token."""
+    H, D, Hq, KV = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    proj = 2 * H * (2 * Hq * D + 2 * KV * D)
+    dense = 2 * 3 * H * cfg.intermediate_size
+    moe = 2 * 3 * H * cfg.moe_intermediate_size * (cfg.num_experts_per_tok + cfg.n_shared_experts) \
+        + 2 * H * cfg.n_routed_experts
+    n_moe = sum(cfg.is_moe(i) for i in range(cfg.num_hidden_layers))
+    n_dense = cfg.num_hidden_layers - n_moe
+    pos = np.arange(start, start + n, dtype=np.float64)
+    keys_full = float(np.sum(pos + 1))
+    keys_slide = float(np.sum(np.minimum(pos + 1, cfg.sliding_window)))
+    attn = 4 * Hq * D * (len(cfg.full_layers) * keys_full + len(cfg.sliding_layers) * keys_slide)
+    mm = n * (cfg.num_hidden_layers * proj + n_dense * dense + n_moe * moe) + 2 * H * cfg.vocab_size
+    return {"matmul": mm, "attention": attn, "total": mm + attn}
+
+
+def init_params_on_device(cfg: FlintConfig, key: jax.Array, weights: str):
+    """params.init_params(cfg, key, weights) (same initialisers and keys; equal up to FP32 rounding of fused ops),
+    with each leaf initialised by a jitted function
+    compiled once per distinct leaf (about 20 small programs instead of one ~1,000-op program: seconds of compile,
+    not minutes). Everything is created on the device."""
+    desc = params_mod.describe(cfg, weights)
+    leaves, treedef = jax.tree.flatten(desc, is_leaf=lambda x: isinstance(x, params_mod.Leaf))
+    keys = jax.random.split(key, len(leaves))
+    one = jax.jit(params_mod._init_leaf, static_argnums=(0, 2))
+    return jax.tree.unflatten(treedef, [one(leaf, k, cfg) for leaf, k in zip(leaves, keys)])
+
+
+# ---- layer drivers ----------------------------------------------------------------------------------------------
+def _chunk_inputs(lengths, n_new, T):
+    t = jnp.arange(T, dtype=jnp.int32)[None, :]
+    positions = lengths[:, None] + t
+    valid = t < n_new[:, None]
+    return positions, valid, lengths + n_new
+
+
+class Runner:
+    """A chunked prefill as a Python loop over per-layer jitted blocks. impl: "kernels" (flint_jax.prefill) or
+    "reference" (model.attention_block + the MoE on the tiled reference GEMMs)."""
+
+    def __init__(self, cfg: FlintConfig, impl: str, gm_blocks=(None, None), attn_block=None):
+        self.cfg = cfg
+        if impl == "kernels":
+            def attn(h, layer, cache, positions, valid, lengths_after, sliding):
+                return P.attention_block(h, layer, cache, positions, valid, lengths_after, cfg, sliding,
+                                         block=attn_block)
+
+            def mlp(h, layer):
+                return P.mlp_block(h, layer, cfg, blocks=gm_blocks)
+        else:
+            def attn(h, layer, cache, positions, valid, lengths_after, sliding):
+                return M.attention_block(h, layer, cache, positions, valid, lengths_after, cfg, sliding)
+
+            def mlp(h, layer):
+                return P.mlp_block(h, layer, cfg, reference=True)
+        self.attn = jax.jit(attn, static_argnames=("sliding",), donate_argnames=("cache",))
+        self.mlp = jax.jit(mlp)
+        self.embed = jax.jit(lambda table, tokens: table[tokens])
+        self.inputs = jax.jit(_chunk_inputs, static_argnames=("T",))
+        self.head = jax.jit(lambda fn, w, h, n_new: L.logits_from_hidden(M.last_hidden(h, n_new), fn, w,
+                                                                          cfg.rms_norm_eps))
+
+    def chunk(self, params, state: KVState, tokens, n_new):
+        T = tokens.shape[1]
+        positions, valid, lengths_after = self.inputs(state.lengths, n_new, T=T)
+        h = self.embed(params.embed, tokens)
+        caches = []
+        for i, (layer, cache) in enumerate(zip(params.layers, state.layers)):
+            h, cache = self.attn(h, layer, cache, positions, valid, lengths_after, sliding=self.cfg.is_sliding(i))
+            h = self.mlp(h, layer)
+            caches.append(cache)
+        return h, KVState(layers=tuple(caches), lengths=lengths_after)
+
+    def prefill(self, params, tokens: np.ndarray, chunk: int, max_len: int):
+        """tokens [1, N]: chunks of `chunk` tokens (the last one padded); returns the last token's logits."""
+        N = tokens.shape[1]
+        state = init_state(self.cfg, 1, max_len)
+        logits = None
+        for lo in range(0, N, chunk):
+            part = np.zeros((1, chunk), np.int32)
+            n = min(chunk, N - lo)
+            part[0, :n] = tokens[0, lo:lo + n]
+            n_new = jnp.array([n], jnp.int32)
+            h, state = self.chunk(params, state, jnp.asarray(part), n_new)
+            if lo + chunk >= N:
+                logits = self.head(params.final_norm, params.lm_head, h, n_new)
+        return logits
+
+
+class PartsRunner:
+    """The kernels' prefill split into separately jitted, separately synchronised parts, for a time breakdown:
+    attention core (prefill_attention kernel + K/V write), attention projections (norm, QKV, head norms, RoPE, Wo and
+    the residual), MoE MLP (routing, grouped GEMMs, shared expert, combine), dense MLP, embed + LM head."""
+
+    def __init__(self, cfg: FlintConfig, gm_blocks=(None, None), attn_block=None):
+        self.cfg = cfg
+
+        def proj(h, layer, positions, sliding):
+            a = L.rmsnorm(h, layer.attn_norm, cfg.rms_norm_eps)
+            return L.project_qkv(a, layer.attn, positions, cfg, sliding)
+
+        interpret = jax.default_backend() == "cpu"
+
+        def core(q, k, v, cache, positions, valid, lengths_after, sinks, sliding):
+            q_pos = jnp.where(valid, positions, -1)
+            if sliding:
+                o = pa.ring_attention(q, k, v, q_pos, cache, sinks, cfg.sliding_window, block=attn_block,
+                                      interpret=interpret)
+                return o, write_ring(cache, k, v, positions, valid)
+            cache = write_full(cache, k, v, positions, valid)
+            return pa.full_attention(q, q_pos, cache, lengths_after, sinks, block=attn_block,
+                                     interpret=interpret), cache
+
+        def out(h, o, w):
+            return h + L.linear(o.reshape(*h.shape[:2], -1), w)
+
+        self.proj = jax.jit(proj, static_argnames=("sliding",))
+        self.core = jax.jit(core, static_argnames=("sliding",), donate_argnames=("cache",))
+        self.out = jax.jit(out)
+        self.mlp = jax.jit(lambda h, layer: P.mlp_block(h, layer, cfg, blocks=gm_blocks))
+        self.base = Runner(cfg, "kernels", gm_blocks, attn_block)
+
+    def prefill(self, params, tokens: np.ndarray, chunk: int, max_len: int, on_chunk=None):
+        """Returns (parts: seconds per part, per_chunk: [{start, tokens, ms}], complete: bool); on_chunk(c) may
+        return True to stop after chunk c."""
+        cfg, N = self.cfg, tokens.shape[1]
+        state = init_state(cfg, 1, max_len)
+        parts = {"attention core": 0.0, "attention projections": 0.0, "MoE MLP": 0.0, "dense MLP": 0.0,
+                 "embed + LM head": 0.0}
+        per_chunk = []
+
+        def tick(key, t):
+            now = time.perf_counter()
+            parts[key] += now - t
+            return now
+
+        for lo in range(0, N, chunk):
+            t_chunk = t = time.perf_counter()
+            part = np.zeros((1, chunk), np.int32)
+            n = min(chunk, N - lo)
+            part[0, :n] = tokens[0, lo:lo + n]
+            n_new = jnp.array([n], jnp.int32)
+            positions, valid, lengths_after = self.base.inputs(state.lengths, n_new, T=chunk)
+            h = sync(self.base.embed(params.embed, jnp.asarray(part)))
+            t = tick("embed + LM head", t)
+            caches = []
+            for i, (layer, cache) in enumerate(zip(params.layers, state.layers)):
+                sl = cfg.is_sliding(i)
+                q, k, v = sync(self.proj(h, layer, positions, sliding=sl))
+                t = tick("attention projections", t)
+                o, cache = sync(self.core(q, k, v, cache, positions, valid, lengths_after, layer.attn.sinks,
+                                          sliding=sl))
+                t = tick("attention core", t)
+                h = sync(self.out(h, o, layer.attn.o))
+                t = tick("attention projections", t)
+                h = sync(self.mlp(h, layer))
+                t = tick("MoE MLP" if cfg.is_moe(i) else "dense MLP", t)
+                caches.append(cache)
+            state = KVState(layers=tuple(caches), lengths=lengths_after)
+            if lo + chunk >= N:
+                sync(self.base.head(params.final_norm, params.lm_head, h, n_new))
+                t = tick("embed + LM head", t)
+            per_chunk.append({"start": lo, "tokens": n, "ms": 1e3 * (time.perf_counter() - t_chunk)})
+            if on_chunk and on_chunk(per_chunk[-1]) and lo + chunk < N:
+                return parts, per_chunk, False
+        return parts, per_chunk, True
+
+
+# ---- sections -------------------------------------------------------------------------------------------------------
+def section_check(run: Run, cfg: FlintConfig, tiny: bool) -> None:
+    """Kernels vs references at moderate shapes (compiled on the GPU; interpret mode with --tiny)."""
+    interpret = jax.default_backend() == "cpu"
+    E, I, H = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    rows = 96 if tiny else 4096
+    key = jax.random.split(jax.random.key(11), 8)
+    ids = jax.random.randint(key[0], (rows,), 0, E)
+    ids = jnp.where(jnp.arange(rows) < rows // 4, 3, ids)  # a crowded expert
+    ids = jnp.where(ids == 5, 6, ids)  # an empty one
+    ids = jnp.sort(ids)
+    sizes = jnp.bincount(ids, length=E).astype(jnp.int32)
+    x = jax.random.normal(key[1], (rows, H), F32).astype(BF16)
+    xa = jax.random.normal(key[2], (rows, I), F32).astype(BF16)
+    for kind in ("bf16", "nvfp4"):
+        if kind == "bf16":
+            g = (jax.random.normal(key[3], (E, I, H), F32) / math.sqrt(H)).astype(BF16)
+            u = (jax.random.normal(key[4], (E, I, H), F32) / math.sqrt(H)).astype(BF16)
+            d = (jax.random.normal(key[5], (E, H, I), F32) / math.sqrt(I)).astype(BF16)
+        else:
+            gsc = jnp.linspace(0.5, 2.0, E).astype(F32)
+            g, u, d = (dataclasses.replace(nvfp4.random(k, s, 1 / math.sqrt(s[-1])), global_scale=gsc)
+                       for k, s in ((key[3], (E, I, H)), (key[4], (E, I, H)), (key[5], (E, H, I))))
+        for name, fn, ref in (
+                ("grouped_swiglu", lambda: gm.grouped_swiglu(x, g, u, sizes, interpret=interpret),
+                 lambda: gm.ref_grouped_swiglu(x, g, u, sizes)),
+                ("grouped_matmul down", lambda: gm.grouped_matmul(xa, d, sizes, interpret=interpret),
+                 lambda: gm.ref_grouped_matmul(xa, d, sizes))):
+            what = f"{name} {kind}"
+            try:
+                st = bf16_ulp_stats(jax.jit(fn)(), jax.jit(ref)())
+                st["ok"] = st["finite"] and st["max_ulp"] <= 2 and st["frac_differ"] <= 0.02
+                run.results["check"][what] = st
+                log(f"check {what}: {st}")
+            except Exception as e:  # noqa: BLE001
+                run.error(f"check {what}", e)
+    # Attention: Flint's heads, a chunk after some history (the ring wraps), two rows of different lengths.
+    Hq, KV, D, W = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.sliding_window
+    B, T, S = 2, (24 if tiny else 1024), (96 if tiny else 4096)
+    hist = jnp.array([(7 if tiny else 700), 3], jnp.int32)
+    n_new = jnp.array([T, T // 3], jnp.int32)
+    ks = jax.random.split(jax.random.key(12), 6)
+    q = jax.random.normal(ks[0], (B, T, Hq, D), F32).astype(BF16)
+    k = jax.random.normal(ks[1], (B, T, KV, D), F32).astype(BF16)
+    v = jax.random.normal(ks[2], (B, T, KV, D), F32).astype(BF16)
+    Hh = int(hist.max())
+    hk = jax.random.normal(ks[3], (B, Hh, KV, D), F32).astype(BF16)
+    hv = jax.random.normal(ks[4], (B, Hh, KV, D), F32).astype(BF16)
+    hpos = jnp.broadcast_to(jnp.arange(Hh), (B, Hh))
+    hval = hpos < hist[:, None]
+    t = jnp.arange(T)[None]
+    positions, valid = hist[:, None] + t, t < n_new[:, None]
+    q_pos = jnp.where(valid, positions, -1)
+    sinks = jnp.linspace(-3.0, 3.0, Hq).astype(F32).at[0].set(-jnp.inf)
+    ring = write_ring(RingCache(jnp.zeros((B, KV, W, D), BF16), jnp.zeros((B, KV, W, D), BF16),
+                                jnp.full((B, W), -1, jnp.int32)), hk, hv, hpos, hval)
+    full = write_full(write_full(FullCache(jnp.zeros((B, KV, S, D), BF16), jnp.zeros((B, KV, S, D), BF16)),
+                                 hk, hv, hpos, hval), k, v, positions, valid)
+    rows_ok = np.asarray(valid)
+    for what, fn, ref in (
+            ("ring_attention", lambda: pa.ring_attention(q, k, v, q_pos, ring, sinks, W, interpret=interpret),
+             lambda: pa.ref_ring_attention(q, k, v, q_pos, ring, sinks, W)),
+            ("full_attention", lambda: pa.full_attention(q, q_pos, full, hist + n_new, sinks, interpret=interpret),
+             lambda: pa.ref_full_attention(q, q_pos, full, hist + n_new, sinks))):
+        try:
+            got, want = jax.jit(fn)(), jax.jit(ref)()
+            st = bf16_ulp_stats(np.asarray(got, np.float32)[rows_ok].astype(jnp.bfloat16),
+                                np.asarray(want, np.float32)[rows_ok].astype(jnp.bfloat16))
+            st["ok"] = st["finite"] and st["max_ulp"] <= 2 and st["frac_differ"] <= 0.05
+            run.results["check"][what] = st
+            log(f"check {what}: {st}")
+        except Exception as e:  # noqa: BLE001
+            run.error(f"check {what}", e)
+    run.save()
+
+
+def moe_inputs(cfg: FlintConfig, tokens: int):
+    """A layer's routed experts in both formats and `tokens` tokens routed uniformly at random (top-k distinct)."""
+    E, I, H, K = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size, cfg.num_experts_per_tok
+    ks = jax.random.split(jax.random.key(21), 8)
+    b = jax.random.normal(ks[0], (tokens, H), F32).astype(BF16)
+    scores = jax.random.uniform(ks[1], (tokens, E))
+    _, ids = jax.lax.top_k(scores, K)
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    x = b[order // K]
+    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+    return x, sizes
+
+
+def section_moe(run: Run, cfg: FlintConfig, tokens: int, tiny: bool) -> tuple:
+    """Expert GEMMs of one MoE layer; returns the best (gate/up, down) blocks per weight kind."""
+    E, I, H = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    K = cfg.num_experts_per_tok
+    x, sizes = jax.jit(moe_inputs, static_argnums=(0, 1))(cfg, tokens)
+    R = x.shape[0]
+    res = run.results["moe"]
+    res["shape"] = {"tokens": tokens, "pairs": R, "experts": E, "H": H, "I": I}
+    fl_gate = 2 * R * H * I
+    fl_layer = 3 * fl_gate
+    best = {}
+    interpret = jax.default_backend() == "cpu"
+    for kind in ("nvfp4", "bf16") if not tiny else ("nvfp4",):
+        if not run.allows(15 if not tiny else 2, f"moe {kind}"):
+            break
+        ks = jax.random.split(jax.random.key(22), 3)
+
+        @jax.jit
+        def make(ks):
+            if kind == "bf16":
+                return tuple((jax.random.normal(k, s, F32) / math.sqrt(s[-1])).astype(BF16)
+                             for k, s in ((ks[0], (E, I, H)), (ks[1], (E, I, H)), (ks[2], (E, H, I))))
+            return tuple(nvfp4.random(k, s, 1 / math.sqrt(s[-1]))
+                         for k, s in ((ks[0], (E, I, H)), (ks[1], (E, I, H)), (ks[2], (E, H, I))))
+        g, u, d = make(ks)
+        act = jax.jit(lambda: gm.ref_grouped_swiglu(x, g, u, sizes))()
+        out = {}
+        # Our kernels: block sweep (the table's entry first).
+        picks = []
+        for mode, w_args, xin in (("swiglu", (g, u), x), ("linear", (d,), act)):
+            cands = GM_SWEEP[(kind, mode)] if not tiny and not run.args.no_sweep else [
+                gm.default_block(kind, mode)]
+            timings = []
+            for blk in cands:
+                if not run.allows(4 if not tiny else 1, f"moe {kind} {mode} {blk}"):
+                    break
+                fn = (jax.jit(functools.partial(gm.grouped_swiglu, block=blk, interpret=interpret))
+                      if mode == "swiglu" else
+                      jax.jit(functools.partial(gm.grouped_matmul, block=blk, interpret=interpret)))
+                try:
+                    first, ms = time_fn(lambda: fn(xin, *w_args, sizes))
+                    m = min(ms)
+                    flops = 2 * fl_gate if mode == "swiglu" else fl_gate
+                    timings.append((m, blk))
+                    out[f"ours {mode} {blk}"] = {"ms": m, "tflops": flops / m / 1e9, "compile_s": first}
+                    log(f"moe {kind} ours {mode} {blk}: {m:.3f} ms, {flops / m / 1e9:.1f} TFLOP/s")
+                except Exception as e:  # noqa: BLE001
+                    run.error(f"moe {kind} ours {mode} {blk}", e)
+            picks.append(min(timings, key=lambda t: t[0])[1] if timings else None)
+        best[kind] = tuple(picks)
+        total = sum(out[f"ours {m} {b}"]["ms"] for m, b in zip(("swiglu", "linear"), picks) if b is not None)
+        if all(b is not None for b in picks):
+            out["ours layer (best blocks)"] = {"ms": total, "tflops": fl_layer / total / 1e9,
+                                              "blocks": [dataclasses.asdict(b) for b in picks]}
+        # Our tiled plain-JAX reference (the whole layer's three GEMMs).
+        if run.allows(10 if not tiny else 1, f"moe {kind} reference"):
+            try:
+                ref = jax.jit(lambda x, sizes: gm.ref_grouped_matmul(gm.ref_grouped_swiglu(x, g, u, sizes), d, sizes))
+                first, ms = time_fn(lambda: ref(x, sizes), reps=2)
+                out["reference (tiled einsum) layer"] = {"ms": min(ms), "tflops": fl_layer / min(ms) / 1e9}
+                log(f"moe {kind} reference layer: {min(ms):.2f} ms")
+            except Exception as e:  # noqa: BLE001
+                run.error(f"moe {kind} reference", e)
+        # jax's options, on one gate projection (BF16 only: they take one dtype for both operands).
+        if kind == "bf16" and not tiny:
+            rhs = jnp.swapaxes(g, 1, 2)  # [E, H, I]
+            for label, flag in (("lax.ragged_dot (default GPU lowering)", False),
+                                ("lax.ragged_dot (pallas triton lowering flag)", True)):
+                if not run.allows(15, f"moe {label}"):
+                    break
+                try:
+                    jax.config.update("jax_ragged_dot_use_gpu_pallas_triton_lowering", flag)
+                    f = jax.jit(lambda x, w, s: jax.lax.ragged_dot(x, w, s, preferred_element_type=F32).astype(BF16))
+                    first, ms = time_fn(lambda: f(x, rhs, sizes), reps=2)
+                    out[f"{label}, gate only"] = {"ms": min(ms), "tflops": fl_gate / min(ms) / 1e9,
+                                                  "compile_s": first}
+                    log(f"moe {label}: {min(ms):.2f} ms ({fl_gate / min(ms) / 1e9:.1f} TFLOP/s useful)")
+                except Exception as e:  # noqa: BLE001
+                    out[f"{label}, gate only"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                    run.error(f"moe {label}", e)
+                finally:
+                    jax.config.update("jax_ragged_dot_use_gpu_pallas_triton_lowering", False)
+            if run.allows(20, "moe ragged_dot_mgpu"):
+                try:
+                    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+                    f = jax.jit(functools.partial(ragged_dot_mgpu.ragged_dot, block_m=128, block_n=128, block_k=64,
+                                                  max_concurrent_steps=4, grid_block_n=1, transpose_rhs=True))
+                    first, ms = time_fn(lambda: f(x, g, group_sizes=sizes), reps=2)
+                    out["ragged_dot_mgpu (Mosaic GPU), gate only"] = {"ms": min(ms), "compile_s": first,
+                                                                      "tflops": fl_gate / min(ms) / 1e9}
+                    log(f"moe ragged_dot_mgpu: {min(ms):.3f} ms ({fl_gate / min(ms) / 1e9:.1f} TFLOP/s)")
+                except Exception as e:  # noqa: BLE001
+                    out["ragged_dot_mgpu (Mosaic GPU), gate only"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                    run.error("moe ragged_dot_mgpu", e)
+        res[kind] = out
+        del g, u, d, act
+        run.save()
+    return best
+
+
+def section_attn(run: Run, cfg: FlintConfig, T: int, long_ctx: int, tiny: bool):
+    """Prefill attention for one chunk of T queries: sliding ring; full at offset 0 and at ~long_ctx."""
+    Hq, KV, D, W = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.sliding_window
+    B = 1
+    ks = jax.random.split(jax.random.key(31), 4)
+    q = jax.random.normal(ks[0], (B, T, Hq, D), F32).astype(BF16)
+    k = jax.random.normal(ks[1], (B, T, KV, D), F32).astype(BF16)
+    sinks = jnp.zeros((Hq,), F32)
+    res = run.results["attn"]
+    interpret = jax.default_backend() == "cpu"
+    best = None
+    for offset, mode in ((0, "ring"), (0, "full"), (long_ctx - T, "full")):
+        S = offset + T
+        positions = (offset + jnp.arange(T, dtype=jnp.int32))[None]
+        if mode == "ring":
+            ring = RingCache(k[:, :W].swapaxes(1, 2) if T >= W else jnp.zeros((B, KV, W, D), BF16),
+                             k[:, :W].swapaxes(1, 2) if T >= W else jnp.zeros((B, KV, W, D), BF16),
+                             jnp.full((B, W), -1, jnp.int32))
+            keys_per_q = np.minimum(np.arange(T) + 1, W)
+        else:
+            full = FullCache(jnp.zeros((B, KV, S, D), BF16) + 0.01, jnp.zeros((B, KV, S, D), BF16) + 0.01)
+            keys_per_q = offset + np.arange(T) + 1
+        flops = 4 * Hq * D * float(keys_per_q.sum())
+        cands = ATTN_SWEEP if (not tiny and not run.args.no_sweep and mode == "full" and offset == 0) else [
+            best or pa.DEFAULT_BLOCK]
+        timings = []
+        for blk in cands:
+            label = f"{mode} T={T} offset={offset} {blk}"
+            if not run.allows(5, f"attn {label}"):
+                break
+            try:
+                if mode == "ring":
+                    fn = jax.jit(lambda: pa.ring_attention(q, k, k, positions, ring, sinks, W, block=blk,
+                                                           interpret=interpret))
+                else:
+                    lens = jnp.array([S], jnp.int32)
+                    fn = jax.jit(lambda: pa.full_attention(q, positions, full, lens, sinks, block=blk,
+                                                           interpret=interpret))
+                first, ms = time_fn(fn, reps=2)
+                m = min(ms)
+                timings.append((m, blk))
+                res[label] = {"ms": m, "tflops": flops / m / 1e9, "compile_s": first}
+                log(f"attn ours {label}: {m:.3f} ms, {flops / m / 1e9:.1f} TFLOP/s")
+            except Exception as e:  # noqa: BLE001
+                run.error(f"attn {label}", e)
+        if len(cands) > 1 and timings:
+            best = min(timings, key=lambda t: t[0])[1]
+            res["best block"] = dataclasses.asdict(best)
+        # The reference where its [T, S] scores fit comfortably (up to ~12 GB of FP32 scores).
+        score_bytes = 4 * Hq * T * (S + (W if mode == "ring" else 0))
+        if score_bytes <= 12e9 and run.allows(10, f"attn reference {mode} offset={offset}"):
+            try:
+                if mode == "ring":
+                    rf = jax.jit(lambda: pa.ref_ring_attention(q, k, k, positions, ring, sinks, W))
+                else:
+                    rf = jax.jit(lambda: pa.ref_full_attention(q, positions, full, jnp.array([S], jnp.int32), sinks))
+                first, ms = time_fn(rf, reps=2)
+                res[f"reference {mode} T={T} offset={offset}"] = {"ms": min(ms), "tflops": flops / min(ms) / 1e9}
+                log(f"attn reference {mode} offset={offset}: {min(ms):.2f} ms")
+            except Exception as e:  # noqa: BLE001
+                run.error(f"attn reference {mode} offset={offset}", e)
+        elif score_bytes > 12e9:
+            res[f"reference {mode} T={T} offset={offset}"] = {
+                "skipped": f"layers.attend would materialise {score_bytes / 1e9:.0f} GB of FP32 scores"}
+        if mode == "full" and offset > 0:
+            del full
+        run.save()
+    return best
+
+
+def section_prefill(run: Run, cfg: FlintConfig, kind: str, params, tokens: np.ndarray, chunk: int, tiny: bool,
+                    reserve: float, which: str) -> None:
+    """which="headline": the kernels on the one-chunk prompt; "extras": the kernels in chunks, and the reference
+    on the one-chunk prompt. The kernels use the block tables' defaults."""
+    N = tokens.shape[1]
+    res = run.results["prefill"].setdefault(kind, {})
+    fl = prefill_flops(cfg, 0, N)
+    res["flops"] = fl
+    if which == "headline":
+        todo = [("kernels", f"one chunk of {N}", N)]
+    else:  # (--tiny: the TTFT run already covers chunking)
+        todo = ([] if tiny else [("kernels", f"chunks of {chunk}", chunk)]) + [("reference", f"one chunk of {N}", N)]
+    for impl, label, c in todo:
+        need = (40 if impl == "kernels" else 45) if not tiny else 3
+        if not run.allows(need + reserve, f"prefill {kind} {impl} {label}"):
+            continue
+        runner = Runner(cfg, impl)
+        try:
+            first, ms = time_fn(lambda: runner.prefill(params, tokens, c, N), reps=2 if not tiny else 1)
+            m = min(ms)
+            res[f"{impl}, {label}"] = {"ms": m, "tflops": fl["total"] / m / 1e9, "first_call_s": first,
+                                       "all_ms": ms}
+            log(f"prefill {kind} {impl} {label}: {m:.1f} ms, {fl['total'] / m / 1e9:.1f} TFLOP/s "
+                f"(first call {first:.1f} s)")
+        except Exception as e:  # noqa: BLE001
+            run.error(f"prefill {kind} {impl} {label}", e)
+        run.save()
+
+
+def section_ttft(run: Run, cfg: FlintConfig, kind: str, params, n_tokens: int, chunk: int, gm_blocks,
+                 attn_block, tiny: bool) -> None:
+    res = run.results["ttft"].setdefault(kind, {})
+    tokens = np.asarray(jax.random.randint(jax.random.key(41), (1, n_tokens), 0, cfg.vocab_size), np.int32)
+    max_len = -(-n_tokens // 64) * 64
+    fl = prefill_flops(cfg, 0, n_tokens)
+    res.update({"tokens": n_tokens, "chunk": chunk, "flops": fl})
+    pr = PartsRunner(cfg, gm_blocks, attn_block)
+    n_chunks = -(-n_tokens // chunk)
+    try:
+        # Warm up (compile) on a short run with the same shapes: the first chunk of the same state size.
+        t = time.perf_counter()
+        pr.prefill(params, tokens[:, :chunk], chunk, max_len)
+        res["warmup_s"] = time.perf_counter() - t
+        log(f"ttft {kind}: compiled and warmed up in {res['warmup_s']:.1f} s")
+        # Each chunk costs more than the last (full layers read the growing cache); stop early if over budget.
+        t = time.perf_counter()
+
+        def on_chunk(c):
+            log(f"ttft {kind} chunk at {c['start']}: {c['ms']:.1f} ms")
+            return run.left() < 3
+        parts, per_chunk, complete = pr.prefill(params, tokens, chunk, max_len, on_chunk=on_chunk)
+        wall = time.perf_counter() - t
+        if not complete:
+            msg = f"ttft {kind}: budget ran out after {len(per_chunk)} of {n_chunks} chunks (partial: see per_chunk)"
+            run.results["skipped"].append(msg)
+            log(msg)
+            res.update({"partial": True, "per_chunk": per_chunk, "parts_s": parts})
+            run.save()
+            return
+        res.update({"ttft_s": wall, "per_chunk": per_chunk, "parts_s": parts, "n_chunks": n_chunks,
+                    "tflops": fl["total"] / wall / 1e12})
+        log(f"ttft {kind} {n_tokens} tokens: {wall:.2f} s; parts {json.dumps({k: round(v, 3) for k, v in parts.items()})}")
+    except Exception as e:  # noqa: BLE001
+        run.error(f"ttft {kind}", e)
+    run.save()
+
+
+# ---- report -----------------------------------------------------------------------------------------------------------
+def markdown(r: dict) -> str:
+    try:
+        return _markdown(r)
+    except Exception as e:  # noqa: BLE001  (the JSON has everything; never lose a run to the report)
+        return f"# Prefill benchmark\n\nMarkdown report failed ({type(e).__name__}: {e}); see bench_prefill.json.\n"
+
+
+def _markdown(r: dict) -> str:
+    m = r.get("meta", {})
+    lines = [f"# Prefill benchmark ({m.get('device', '?')}, {m.get('mode', '')})", "",
+             f"jax {m.get('jax', '?')}, config {m.get('config', '?')}, budget {m.get('budget_s', '?')} s, "
+             f"wall {m.get('wall_s', '?')} s.", ""]
+    if r.get("check"):
+        lines += ["## Kernels vs references (GPU check)", "", "| kernel | max BF16 ulp | fraction differing | ok |",
+                  "|---|---|---|---|"]
+        for k, v in r["check"].items():
+            lines.append(f"| {k} | {v['max_ulp']} | {v['frac_differ']:.4%} | {v['ok']} |")
+        lines.append("")
+    moe = r.get("moe", {})
+    if moe:
+        lines += [f"## MoE expert GEMMs, one layer ({moe.get('shape')})", "", "| weights | variant | ms | TFLOP/s |",
+                  "|---|---|---|---|"]
+        for kind in ("nvfp4", "bf16"):
+            for k, v in moe.get(kind, {}).items():
+                if "ms" in v:
+                    lines.append(f"| {kind} | {k} | {v['ms']:.3f} | {v['tflops']:.1f} |")
+                else:
+                    lines.append(f"| {kind} | {k} | {v.get('error', v.get('skipped', ''))[:120]} | |")
+        lines.append("")
+    if r.get("attn"):
+        lines += ["## Prefill attention (batch 1, one chunk)", "", "| case | ms | TFLOP/s |", "|---|---|---|"]
+        for k, v in r["attn"].items():
+            if isinstance(v, dict) and "ms" in v:
+                lines.append(f"| {k} | {v['ms']:.3f} | {v['tflops']:.1f} |")
+            elif isinstance(v, dict) and "skipped" in v:
+                lines.append(f"| {k} | skipped: {v['skipped']} | |")
+        lines.append("")
+    if r.get("prefill"):
+        lines += ["## Prefill, batch 1 (target: <= 145 ms for 8,192 tokens, vLLM on a GB200)", "",
+                  "| weights | run | ms | TFLOP/s |", "|---|---|---|---|"]
+        for kind, d in r["prefill"].items():
+            for k, v in d.items():
+                if not isinstance(v, dict) or k == "flops":
+                    continue
+                if "ms" in v:
+                    lines.append(f"| {kind} | {k} | {v['ms']:.1f} | {v['tflops']:.1f} |")
+                else:
+                    lines.append(f"| {kind} | {k} | {v.get('skipped', '')} | |")
+        lines.append("")
+    if r.get("ttft"):
+        lines += ["## Time to first token, long prompt", ""]
+        for kind, d in r["ttft"].items():
+            if "ttft_s" not in d:
+                continue
+            lines += [f"**{kind}**: {d['tokens']} tokens in chunks of {d['chunk']}: TTFT {d['ttft_s']:.2f} s "
+                      f"({d['tflops']:.1f} TFLOP/s over {d['flops']['total'] / 1e15:.2f} PFLOP useful).", "",
+                      "| part | s | share |", "|---|---|---|"]
+            tot = sum(d["parts_s"].values())
+            for k, v in d["parts_s"].items():
+                lines.append(f"| {k} | {v:.3f} | {v / tot:.1%} |")
+            lines += ["", "Parts are timed with a device sync after each call (their sum includes launch gaps).",
+                      ""]
+    for key, title in (("skipped", "Skipped"), ("errors", "Errors")):
+        if r.get(key):
+            lines += [f"## {title}", ""] + [f"- {s}" for s in r[key]] + [""]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true", help="FlintConfig.tiny() on the CPU (interpret mode)")
+    ap.add_argument("--out", required=True, help="directory for bench_prefill.json and bench_prefill.md")
+    ap.add_argument("--budget-s", type=float, default=220.0, help="stop starting new work after this many seconds")
+    ap.add_argument("--check", action="store_true", help="compare kernels with references before timing")
+    ap.add_argument("--tokens", type=int, default=None, help="prompt length of the prefill (default 8192)")
+    ap.add_argument("--chunk", type=int, default=None, help="chunk size for chunked runs (default 2048; TTFT 8192)")
+    ap.add_argument("--long", type=int, default=None, help="TTFT prompt length (default 100000)")
+    ap.add_argument("--weights", default="nvfp4,bf16", help="weight formats to run, in order")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the block sweeps (table defaults)")
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: moe,attn,prefill,ttft")
+    args = ap.parse_args(argv)
+    run = Run(args)
+    tiny = args.tiny
+    if tiny:
+        jax.config.update("jax_platforms", "cpu")
+    cfg = FlintConfig.tiny() if tiny else FlintConfig.flint()
+    N = args.tokens or (32 if tiny else 8192)
+    chunk = args.chunk or (16 if tiny else 2048)
+    long_n = args.long or (80 if tiny else 100_000)
+    long_chunk = 16 if tiny else 8192
+    skip = set(filter(None, args.skip.split(",")))
+    dev = jax.devices()[0]
+    run.results["meta"] = {"device": f"{dev.platform} {dev.device_kind}", "jax": jax.__version__,
+                           "config": "tiny" if tiny else "flint", "mode": "interpret" if tiny else "compiled",
+                           "budget_s": args.budget_s, "tokens": N, "chunk": chunk, "long": long_n,
+                           "long_chunk": long_chunk}
+    log(f"device {dev.device_kind}; prompt {N}, chunk {chunk}, long prompt {long_n}; budget {args.budget_s:.0f} s")
+    run.save()
+    try:
+        if args.check:
+            try:
+                section_check(run, cfg, tiny)
+            except Exception as e:  # noqa: BLE001
+                run.error("check", e)
+        # The headline numbers first (8K prefill with the kernels, NVFP4 then BF16, and the NVFP4 TTFT), then
+        # the extras (chunked, references), then the component benchmarks and block sweeps.
+        tokens = np.asarray(jax.random.randint(jax.random.key(40), (1, N), 0, cfg.vocab_size), np.int32)
+        kinds = [w for w in args.weights.split(",") if w]
+        for i, kind in enumerate(kinds):
+            if "prefill" in skip and "ttft" in skip:
+                break
+            # Keep enough budget for the next format's headline number.
+            reserve = 0 if (tiny or i == len(kinds) - 1) else 75
+            if not run.allows(60 if not tiny else 5, f"{kind} model (init + prefill)"):
+                break
+            t = time.perf_counter()
+            params = sync(init_params_on_device(cfg, jax.random.key(0), kind))
+            log(f"{kind}: parameters initialised on the device in {time.perf_counter() - t:.1f} s")
+            run.results["prefill"].setdefault(kind, {})["init_s"] = time.perf_counter() - t
+            if "prefill" not in skip:
+                section_prefill(run, cfg, kind, params, tokens, chunk, tiny, reserve, which="headline")
+            if "ttft" not in skip and i == 0:
+                if run.allows((45 if not tiny else 5) + reserve, f"ttft {kind}"):
+                    section_ttft(run, cfg, kind, params, long_n, long_chunk, (None, None), None, tiny)
+            if "prefill" not in skip and not (tiny and i > 0):  # --tiny: the extras once, to stay under a minute
+                section_prefill(run, cfg, kind, params, tokens, chunk, tiny, reserve, which="extras")
+            del params
+            jax.clear_caches()
+        if "moe" not in skip:
+            try:
+                section_moe(run, cfg, N, tiny)
+            except Exception as e:  # noqa: BLE001
+                run.error("moe", e)
+        if "attn" not in skip:
+            try:
+                section_attn(run, cfg, min(N, long_chunk), long_n, tiny)
+            except Exception as e:  # noqa: BLE001
+                run.error("attn", e)
+    finally:
+        run.results["meta"]["wall_s"] = round(time.time() - T0, 1)
+        run.save()
+        log(f"done in {time.time() - T0:.1f} s; results in {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
