@@ -34,7 +34,8 @@ class Blocks(NamedTuple):
     bk: int  # K values per loop step
     num_warps: int
     num_stages: int
-    dot: bool = False  # tensor-core path: rows padded to 16, each K tile decoded to BF16 and fed to pl.dot
+    dot: bool = False  # tensor-core path: rows padded to 16, each K tile decoded to BF16 and fed to a dot
+    elementwise: bool = False  # full-tile FP32 accumulator, one reduction after the K loop (FMA path)
 
 
 def pick_blocks(spec: wt.WeightSpec, m: int, n_weights: int = 1) -> Blocks:
@@ -89,12 +90,13 @@ def _gemv_kernel(*refs, spec, n_weights, mp, blocks, has_norm, has_res, eps, mod
 
     weights = [(spec, r) for r in wrefs]
     if blocks.dot:
-        inv = xs.inv_rms_block(spec.k, bk) if has_norm else None
+        inv = xs.inv_rms_block(spec.k) if has_norm else None
         accs = wt.stream_rows_dot(xs, weights, n0, bn, bk, inv)
         o_ref[...] = epilogue(accs, res_ref[...] if has_res else None)
         return
-    inv = [xs.inv_rms(r, spec.k, bk) for r in range(mp)] if has_norm else None
-    accs = wt.stream_rows([xs] * mp, list(range(mp)), weights, [0] * n_weights, n0, bn, bk, inv)
+    inv = [xs.inv_rms(r, spec.k) for r in range(mp)] if has_norm else None
+    accs = wt.stream_rows([xs] * mp, list(range(mp)), weights, [0] * n_weights, n0, bn, bk, inv,
+                          elementwise=blocks.elementwise)
     for r in range(mp):
         o_ref[r, :] = epilogue([accs[w * mp + r] for w in range(n_weights)], res_ref[r, :] if has_res else None)
 

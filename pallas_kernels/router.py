@@ -55,7 +55,7 @@ def _logits_kernel(h_ref, nw_ref, r_ref, logits_ref, b_ref, *, mp, be, bk, eps, 
     e0 = pl.multiple_of(j * be, be)
     hidden = h_ref.shape[-1]
     xs = wt.XSource(h_ref, "bf16", nw_ref if has_norm else None, eps)
-    inv = [xs.inv_rms(r, hidden, bk) for r in range(mp)] if has_norm else None
+    inv = [xs.inv_rms(r, hidden) for r in range(mp)] if has_norm else None
     spec = wt.WeightSpec("bf16", 1, r_ref.shape[1], hidden)  # FP32 values; streamed like a BF16 weight
     accs = wt.stream_rows([xs] * mp, list(range(mp)), [(spec, (r_ref,))], [0], e0, be, bk, inv)
     for r in range(mp):
@@ -63,12 +63,14 @@ def _logits_kernel(h_ref, nw_ref, r_ref, logits_ref, b_ref, *, mp, be, bk, eps, 
 
     @pl.when(j == 0)
     def _():
+        bkn = xs.norm_tile(hidden)
+
         def body(t, c):
-            k0 = pl.multiple_of(t * bk, bk)
             for r in range(mp):
-                b_ref[r, pl.ds(k0, bk)] = xs.tile(r, t, bk, 0, None if inv is None else inv[r]).astype(BF16)
+                b_ref[r, pl.ds(wt._k0(t, bkn), bkn)] = xs.tile(r, t, bkn, 0, None if inv is None else inv[r]
+                                                               ).astype(BF16)
             return c
-        jax.lax.fori_loop(0, hidden // bk, body, 0)
+        wt._loop(hidden // bkn, body, 0)
 
 
 def router_logits(h: jax.Array, router: jax.Array, *, norm_weight: jax.Array | None = None, eps: float = 1e-5,
@@ -80,7 +82,7 @@ def router_logits(h: jax.Array, router: jax.Array, *, norm_weight: jax.Array | N
     if not 1 <= m <= 8:
         raise ValueError(f"router kernel serves M = 1..8 rows, got {m}")
     mp = wt.pow2_rows(m)
-    be, bk, warps, stages = block or (2, 512, 4, 3)
+    be, bk, warps, stages = block or (2, 2048, 4, 1)
     be = wt.largest_pow2_divisor(e, be)
     bk = wt.largest_pow2_divisor(hidden, bk)
     hp = h.astype(BF16) if m == mp else jnp.pad(h.astype(BF16), ((0, mp - m), (0, 0)))

@@ -5,7 +5,8 @@ Operands (`weight_operands`), always with a leading expert axis (1 for a plain l
 
     bf16   w       bf16  [E, N, K]
     nvfp4  codes   uint8 [E, N, K/32, 16]   the planar-halves bytes of flint_jax.nvfp4, 16 per row of the last axis
-           scales  uint8 [E, N, K/16]       the E4M3 bits (same bytes, viewed as integers)
+           scales  fp8   [E, N, K/16]       the E4M3 scales as stored (bit-cast to integers inside the kernel:
+                                            an XLA bitcast-convert outside could cost a copy of the scales)
            gscale  f32   [E]
 
 Both reshapes are free views in XLA. A K tile of G scale groups reads codes[e, n0:n0+BN, g0:g0+G, :] once: the low
@@ -69,7 +70,6 @@ def weight_operands(w, stacked: bool = False) -> tuple[WeightSpec, tuple[jax.Arr
         if k % (2 * GROUP):
             raise ValueError(f"NVFP4 weight: K={k} must be a multiple of {2 * GROUP}")
         codes = codes.reshape(e, n, half // GROUP, GROUP)
-        scales = jax.lax.bitcast_convert_type(scales, jnp.uint8)
         return WeightSpec("nvfp4", e, n, k), (codes, scales, gs.reshape(e))
     w = jnp.asarray(w)
     if w.dtype != BF16:
@@ -112,6 +112,19 @@ def k_tile(spec: WeightSpec, bk: int) -> int:
 
 
 # ---- kernel side ----------------------------------------------------------------------------------------------------
+NORM_TILE = 4096  # values per step of the RMSNorm prologue
+
+
+def _k0(t, bk: int):
+    """Start of K tile t; t is a Python int when a one-step loop is unrolled."""
+    return t * bk if isinstance(t, int) else pl.multiple_of(t * bk, bk)
+
+
+def _loop(steps: int, body, init):
+    """fori_loop, or straight-line code for one step (lets every load of the step be in flight at once)."""
+    return body(0, init) if steps == 1 else jax.lax.fori_loop(0, steps, body, init)
+
+
 def _f16_bits_to_f32(bits_i32: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits_i32.astype(jnp.uint16), jnp.float16).astype(F32)
 
@@ -124,7 +137,11 @@ def decode_codes(b: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def decode_scales(b: jax.Array) -> jax.Array:
-    """E4M3 scale bytes (int32) -> f32 E4M3 * 2^14, which cancels decode_codes' 2^-14: code * scale = value."""
+    """E4M3 scales (float8_e4m3fn, or their bytes as integers) -> f32 E4M3 * 2^14, which cancels decode_codes'
+    2^-14: code * scale = value."""
+    if b.dtype == jnp.float8_e4m3fn:
+        b = jax.lax.bitcast_convert_type(b, jnp.uint8)
+    b = b.astype(jnp.int32)
     return _f16_bits_to_f32(((b & 0x7F) << 7) | ((b & 0x80) << 8)) * _CODE_SCALE
 
 
@@ -137,8 +154,14 @@ class XSource:
     norm_ref: object = None
     eps: float = 1e-5
 
-    def inv_rms(self, row, k: int, bk: int) -> jax.Array:
+    def norm_tile(self, k: int) -> int:
+        """K tile of the norm prologue: as large as allowed (few serial steps; the row is a few KB in L2)."""
+        return k_tile(WeightSpec(self.kind, 1, 1, k), NORM_TILE)
+
+    def inv_rms(self, row, k: int, bk: int | None = None) -> jax.Array:
         """rsqrt(mean(x^2) + eps) of one row, FP32, by a loop over K tiles."""
+        bk = bk or self.norm_tile(k)
+
         def body(t, ss):
             xt = self._raw(row, t, bk, 0).astype(F32)
             ss = ss + jnp.sum(xt * xt)
@@ -146,11 +169,12 @@ class XSource:
                 xh = self._raw(row, t, bk, 1).astype(F32)
                 ss = ss + jnp.sum(xh * xh)
             return ss
-        ss = jax.lax.fori_loop(0, k // bk, body, jnp.zeros((), F32))
+        ss = _loop(k // bk, body, jnp.zeros((), F32))
         return jax.lax.rsqrt(ss / k + self.eps)
 
-    def inv_rms_block(self, k: int, bk: int) -> jax.Array:
+    def inv_rms_block(self, k: int, bk: int | None = None) -> jax.Array:
         """inv_rms of every row of `ref` at once: f32 [R] (the tensor-core path's [R, ...] tiles)."""
+        bk = bk or k_tile(WeightSpec(self.kind, 1, 1, k), NORM_TILE // self.ref.shape[0])
         def sq(a):
             a = a.astype(F32)
             a = a * a
@@ -163,7 +187,7 @@ class XSource:
             if self.kind == "nvfp4":
                 ss = ss + sq(self._raw(slice(None), t, bk, 1))
             return ss
-        ss = jax.lax.fori_loop(0, k // bk, body, jnp.zeros((self.ref.shape[0],), F32))
+        ss = _loop(k // bk, body, jnp.zeros((self.ref.shape[0],), F32))
         return jax.lax.rsqrt(ss / k + self.eps)
 
     def _slice(self, ref, row, t, bk, half):
@@ -173,7 +197,7 @@ class XSource:
             g = bk // 2 // GROUP
             g0 = t * g + half * (ref.shape[-2] // 2)
             return ref[(*lead, pl.ds(g0, g), slice(None))]
-        return ref[(*lead, pl.ds(pl.multiple_of(t * bk, bk), bk))]
+        return ref[(*lead, pl.ds(_k0(t, bk), bk))]
 
     def _raw(self, row, t, bk, half):
         return self._slice(self.ref, row, t, bk, half)
@@ -193,20 +217,20 @@ class XSource:
 
 def stream_rows(xs: Sequence[XSource], rows: Sequence, weights: Sequence[tuple[WeightSpec, Sequence]],
                 experts: Sequence, n0, bn: int, bk: int, inv: Sequence | None = None,
-                pairs: Sequence[tuple[int, int]] | None = None) -> list[jax.Array]:
+                pairs: Sequence[tuple[int, int]] | None = None, elementwise: bool = False) -> list[jax.Array]:
     """FP32 accumulators `x_r @ W_w[e_w, n0:n0+bn, :].T` (without the global scale), one per (w, r) in `pairs`
     (default: every weight with every row, weight-major).
 
     xs[r] / rows[r]: where row r's activations come from; weights[w] = (spec, refs), experts[w] the expert index
     (a traced scalar: expert ids are data). One loop over K streams every weight once and reuses each decoded tile
     for all rows that pair with it. A single-step loop is emitted as straight-line code so that the loads of all
-    weights can be in flight together. Returns f32 [bn] per pair."""
+    weights can be in flight together. `elementwise`: keep a full-tile accumulator and reduce once after the
+    loop (no cross-lane reduction inside the loop, more registers; for M <= 2). Returns f32 [bn] per pair."""
     spec0 = weights[0][0]
     for spec, _ in weights:
         if (spec.kind, spec.k) != (spec0.kind, spec0.k):
             raise NotImplementedError("one kernel streams weights of one kind and one K")
     k = spec0.k
-    steps = k // bk
     nr = len(rows)
     if pairs is None:
         pairs = [(w, r) for w in range(len(weights)) for r in range(nr)]
@@ -215,7 +239,11 @@ def stream_rows(xs: Sequence[XSource], rows: Sequence, weights: Sequence[tuple[W
     nvfp4_kind = spec0.kind == "nvfp4"
     g = bk // 2 // GROUP
     half_groups = k // 2 // GROUP
-    init = tuple(jnp.zeros((bn, g) if nvfp4_kind else (bn,), F32) for _ in pairs)
+    if nvfp4_kind:
+        shape = (bn, g, GROUP) if elementwise else (bn, g)
+    else:
+        shape = (bn, bk) if elementwise else (bn,)
+    init = tuple(jnp.zeros(shape, F32) for _ in pairs)
 
     def body(t, accs):
         accs = list(accs)
@@ -228,32 +256,38 @@ def stream_rows(xs: Sequence[XSource], rows: Sequence, weights: Sequence[tuple[W
                 if not mine:
                     continue
                 cb = codes[e, pl.ds(n0, bn), pl.ds(g0, g), :].astype(jnp.int32)  # [bn, g, 16]
-                s_lo = decode_scales(scales[e, pl.ds(n0, bn), pl.ds(g0, g)].astype(jnp.int32))
-                s_hi = decode_scales(scales[e, pl.ds(n0, bn), pl.ds(half_groups + g0, g)].astype(jnp.int32))
+                s_lo = decode_scales(scales[e, pl.ds(n0, bn), pl.ds(g0, g)])
+                s_hi = decode_scales(scales[e, pl.ds(n0, bn), pl.ds(half_groups + g0, g)])
                 w_lo, w_hi = decode_codes(cb)
+                if elementwise:
+                    w_lo = w_lo * s_lo[:, :, None]
+                    w_hi = w_hi * s_hi[:, :, None]
                 for i, r in mine:
-                    part = (jnp.sum(w_lo * xl[r][None], axis=2) * s_lo
-                            + jnp.sum(w_hi * xh[r][None], axis=2) * s_hi)
-                    accs[i] = accs[i] + part
+                    if elementwise:
+                        accs[i] = accs[i] + w_lo * xl[r][None] + w_hi * xh[r][None]
+                    else:
+                        accs[i] = accs[i] + (jnp.sum(w_lo * xl[r][None], axis=2) * s_lo
+                                             + jnp.sum(w_hi * xh[r][None], axis=2) * s_hi)
         else:
             xt = {r: xs[r].tile(rows[r], t, bk, 0, inv[r]) for r in used_rows}
-            k0 = pl.multiple_of(t * bk, bk)
+            k0 = _k0(t, bk)
             for wi, ((spec, (w,)), e) in enumerate(zip(weights, experts)):
                 mine = [(i, r) for i, (ww, r) in enumerate(pairs) if ww == wi]
                 if not mine:
                     continue
                 wtile = w[e, pl.ds(n0, bn), pl.ds(k0, bk)].astype(F32)  # [bn, bk]
                 for i, r in mine:
-                    accs[i] = accs[i] + jnp.sum(wtile * xt[r][None], axis=1)
+                    prod = wtile * xt[r][None]
+                    accs[i] = accs[i] + (prod if elementwise else jnp.sum(prod, axis=1))
         return tuple(accs)
 
-    if steps == 1:
-        accs = body(0, init)
-    else:
-        accs = jax.lax.fori_loop(0, steps, body, init)
-    if nvfp4_kind:
-        accs = tuple(jnp.sum(a, axis=1) for a in accs)
-    return list(accs)
+    accs = _loop(k // bk, body, init)
+    out = []
+    for a in accs:
+        while a.ndim > 1:
+            a = jnp.sum(a, axis=-1)
+        out.append(a)
+    return out
 
 
 def _dot_nt(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -281,21 +315,21 @@ def stream_rows_dot(xs: XSource, weights: Sequence[tuple[WeightSpec, Sequence]],
             g0 = t * g
             for wi, (spec, (codes, scales, _)) in enumerate(weights):
                 cb = codes[0, pl.ds(n0, bn), pl.ds(g0, g), :].astype(jnp.int32)
-                s_lo = decode_scales(scales[0, pl.ds(n0, bn), pl.ds(g0, g)].astype(jnp.int32))
-                s_hi = decode_scales(scales[0, pl.ds(n0, bn), pl.ds(half_groups + g0, g)].astype(jnp.int32))
+                s_lo = decode_scales(scales[0, pl.ds(n0, bn), pl.ds(g0, g)])
+                s_hi = decode_scales(scales[0, pl.ds(n0, bn), pl.ds(half_groups + g0, g)])
                 w_lo, w_hi = decode_codes(cb)
                 w_lo = (w_lo * s_lo[:, :, None]).astype(BF16).reshape(bn, g * GROUP)
                 w_hi = (w_hi * s_hi[:, :, None]).astype(BF16).reshape(bn, g * GROUP)
                 accs[wi] = accs[wi] + _dot_nt(xl, w_lo) + _dot_nt(xh, w_hi)
         else:
             xt = xs.tile(slice(None), t, bk, 0, inv).astype(BF16)
-            k0 = pl.multiple_of(t * bk, bk)
+            k0 = _k0(t, bk)
             for wi, (spec, (w,)) in enumerate(weights):
                 accs[wi] = accs[wi] + _dot_nt(xt, w[0, pl.ds(n0, bn), pl.ds(k0, bk)])
         return tuple(accs)
 
     init = tuple(jnp.zeros((rows, bn), F32) for _ in weights)
-    return list(jax.lax.fori_loop(0, k // bk, body, init))
+    return list(_loop(k // bk, body, init))
 
 
 def global_scale(spec: WeightSpec, refs: Sequence, e) -> jax.Array | float:

@@ -88,6 +88,7 @@ def test_gemv_plain_and_blocks(kind):
     ref = G.ref_gemv(x, w)
     assert_bf16_close(G.gemv(x, w, interpret=INTERPRET), ref)
     assert_bf16_close(G.gemv(x, w, interpret=INTERPRET, block=(64, 64, 4, 2)), ref)
+    assert_bf16_close(G.gemv(x, w, interpret=INTERPRET, block=(16, 128, 4, 2, False, True)), ref)  # elementwise
 
 
 @pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
