@@ -17,5 +17,20 @@ if _os.path.isdir(_os.path.join(_checkout, "pallas_kernels")):
 
 from flint_jax.config import FlintConfig  # noqa: E402
 
-__all__ = ["FlintConfig"]
+
+
+def load(path, config=None, weights=None, device=None, sharding=None):
+    """Load a Flint checkpoint: a GGUF file (NVFP4/BF16/F16/F32 tensors), a Hugging Face BF16 directory, or a
+    directory written by `flint-convert`. Returns a `flint_jax.model.Model` (cfg, params, tokenizer).
+
+    config: a FlintConfig, config.json dict or path that overrides the checkpoint's own (contradictions are errors).
+    weights: None keeps each weight as stored; "bf16" dequantizes NVFP4; "nvfp4" quantizes BF16 linear layers.
+    device / sharding: where the arrays go (see flint_jax.convert.load.load)."""
+    from flint_jax.loading import load as load_checkpoint
+    from flint_jax.model import Model
+    loaded = load_checkpoint(path, config=config, weights=weights, device=device, sharding=sharding)
+    return Model(loaded.cfg, loaded.params, loaded.source, dict(loaded.tokenizer_metadata))
+
+
+__all__ = ["FlintConfig", "load"]
 __version__ = "0.1.0"

@@ -122,3 +122,41 @@ def last_hidden(h: jax.Array, n_new: jax.Array) -> jax.Array:
     """Each row's hidden state at its last real token: [B, T, H] -> [B, H]."""
     idx = jnp.maximum(n_new - 1, 0)
     return jnp.take_along_axis(h, idx[:, None, None], axis=1)[:, 0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """A Flint model: config and parameters, plus what its checkpoint said about the tokenizer. `flint_jax.load`
+    returns one; `Model(cfg, init_params(cfg, key))` builds one from scratch."""
+    cfg: FlintConfig
+    params: Params
+    source: str = ""
+    tokenizer_metadata: dict = dataclasses.field(default_factory=dict)
+
+    def forward(self, tokens) -> jax.Array:
+        """Reference logits [B, T, V] FP32 for int tokens [B, T] (no cache)."""
+        check_tokens(tokens, self.cfg)
+        tokens = jnp.asarray(tokens, jnp.int32)
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens must be [batch, time], got shape {tokens.shape}")
+        return forward(self.params, tokens, self.cfg)
+
+    @functools.cached_property
+    def tokenizer(self):
+        """The checkpoint's FlintTokenizer, or None when it carries none."""
+        from flint_jax.chat import FlintTokenizer
+        meta = self.tokenizer_metadata
+        if "tokenizer_json" in meta:
+            return FlintTokenizer.from_tokenizer_json(meta["tokenizer_json"])
+        if "tokenizer.ggml.tokens" in meta:
+            return FlintTokenizer.from_gguf_metadata(meta)
+        return None
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.tokenizer_metadata.get("tokenizer.chat_template")
+
+    def engine(self, **kwargs):
+        """An `Engine` over this model (kwargs: max_batch, max_len, chunk_size, impl)."""
+        from flint_jax.engine import Engine
+        return Engine(self.cfg, self.params, tokenizer=self.tokenizer, chat_template=self.chat_template, **kwargs)

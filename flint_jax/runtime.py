@@ -61,10 +61,10 @@ def runtime_from_path(path: str) -> Runtime:
     """A checkpoint on disk (GGUF, Hugging Face directory or converted Orbax) with the tokenizer it carries."""
     import flint_jax
     model = flint_jax.load(path)
-    tok = getattr(model, "tokenizer", None)
+    tok = model.tokenizer
     if tok is None:
         raise ValueError(f"{path}: the checkpoint carries no tokenizer (GGUF tokenizer.ggml.* keys or a "
                          f"tokenizer.json next to config.json)")
     return Runtime(model.cfg, model.params, tok, stop_token_ids=tuple(tok.stop_token_ids),
                    description=f"{path} ({model.cfg.num_hidden_layers} layers)",
-                   chat_template=getattr(model, "chat_template", None))
+                   chat_template=model.chat_template)
