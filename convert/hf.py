@@ -178,7 +178,10 @@ class HFCheckpoint:
         out = np.empty(entry.shape, entry.dtype) if entry.experts else None
         for i, n in enumerate(entry.hf):
             fpath, dtype, shape, offset, nb = self.where[n]
-            raw = tensors.read_bytes(self._file(fpath), offset, nb, fpath, n)
+            # An expert already in the stack's dtype is read straight into its slice: no per-expert buffers, which
+            # would fragment the heap (256 x 2 MB per stack) and keep RSS from falling back after each stack.
+            direct = out is not None and DTYPES[dtype] == out.dtype
+            raw = tensors.read_bytes(self._file(fpath), offset, nb, fpath, n, out=out[i] if direct else None)
             src = {"name": n, "file": os.path.basename(fpath), "type": dtype, "shape": list(shape), "bytes": nb}
             if checksums:
                 src["sha256"] = tensors.sha256(raw)
@@ -187,7 +190,8 @@ class HFCheckpoint:
             tensors.check_finite(x, fpath, n)
             if out is None:
                 return tensors.cast(entry, x), sources
-            out[i] = x.astype(entry.dtype, copy=False)
+            if not direct:
+                out[i] = x.astype(entry.dtype, copy=False)
         return out, sources
 
     def close(self) -> None:

@@ -29,7 +29,6 @@ CONFIG = "config.json"
 TOKENIZER = "tokenizer_metadata.json"
 FORMAT = "flint-jax-orbax"
 VERSION = 1
-CHUNK_BYTES = 64 << 20
 
 
 def _nest(tree: dict, path: str, value) -> None:
@@ -78,19 +77,21 @@ class OrbaxWriter:
         self.written = 0
 
     def add(self, path: str, value) -> None:
+        n = tensors.nbytes(value)
+        if self._size and self._size + n > self.buffer_bytes:
+            self.flush()  # a big tensor goes out alone: peak memory is one tensor, not a buffer plus one tensor
         _nest(self._tree, path, value)
-        self._size += tensors.nbytes(value)
+        self._size += n
         if self._size >= self.buffer_bytes:
             self.flush()
 
     def _context(self):
-        # Chunks of at most CHUNK_BYTES bound Orbax's temporaries per array (one whole-array chunk of a 600 MB
-        # embedding costs another ~1.2 GB while it is encoded). No compression: NVFP4 codes and BF16 weights barely
-        # compress, and loading skips a decode.
+        # No compression: NVFP4 codes and BF16 weights barely compress, zstd would hold a second encoded copy of
+        # each array while it writes, and loading would have to decode. (No chunk_byte_size either: Orbax splits
+        # the largest dimension first, so a [E, N, K] expert stack would be cut along K into strided chunks and
+        # gathered through an extra full copy.)
         o = self._ocp.options
-        saving = o.ArrayOptions.Saving(use_compression=False,
-                                       storage_options=o.ArrayOptions.Saving.StorageOptions(chunk_byte_size=CHUNK_BYTES))
-        return self._ocp.Context(array_options=o.ArrayOptions(saving=saving))
+        return self._ocp.Context(array_options=o.ArrayOptions(saving=o.ArrayOptions.Saving(use_compression=False)))
 
     def flush(self) -> None:
         if self._tree:

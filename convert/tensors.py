@@ -85,10 +85,13 @@ def nbytes(value) -> int:
     return sum(int(np.asarray(a).nbytes) for a in arrays(value).values())
 
 
-def read_bytes(f: BinaryIO, offset: int, n: int, file, tensor: str) -> np.ndarray:
-    """n bytes at `offset` into a fresh uint8 array (a private buffer, not a memory map: RSS then counts exactly the
-    tensors in flight, and the file's pages stay in the page cache where the kernel can drop them)."""
-    buf = np.empty(n, np.uint8)
+def read_bytes(f: BinaryIO, offset: int, n: int, file, tensor: str, out: np.ndarray | None = None) -> np.ndarray:
+    """n bytes at `offset` into a fresh uint8 array, or into `out` (any contiguous array of n bytes), returned as
+    uint8. A private buffer, not a memory map: RSS then counts exactly the tensors in flight, and the file's pages
+    stay in the page cache where the kernel can drop them."""
+    buf = np.empty(n, np.uint8) if out is None else out.reshape(-1).view(np.uint8)
+    if buf.size != n:
+        raise ValueError(f"buffer of {buf.size} bytes for {n}")
     f.seek(offset)
     got = f.readinto(memoryview(buf))
     if got != n:
