@@ -5,8 +5,8 @@ Operands (`weight_operands`), always with a leading expert axis (1 for a plain l
 
     bf16   w       bf16  [E, N, K]
     nvfp4  codes   uint8 [E, N, K/32, 16]   the planar-halves bytes of flint_jax.nvfp4, 16 per row of the last axis
-           scales  fp8   [E, N, K/16]       the E4M3 scales as stored (bit-cast to integers inside the kernel:
-                                            an XLA bitcast-convert outside could cost a copy of the scales)
+           scales  uint8 [E, N, K/16]       the E4M3 bits (bitcast_convert in the wrapper: the form measured on
+                                            the GPU; decode_scales also takes the float8 tile, for an in-kernel cast)
            gscale  f32   [E]
 
 Both reshapes are free views in XLA. A K tile of G scale groups reads codes[e, n0:n0+BN, g0:g0+G, :] once: the low
@@ -70,6 +70,7 @@ def weight_operands(w, stacked: bool = False) -> tuple[WeightSpec, tuple[jax.Arr
         if k % (2 * GROUP):
             raise ValueError(f"NVFP4 weight: K={k} must be a multiple of {2 * GROUP}")
         codes = codes.reshape(e, n, half // GROUP, GROUP)
+        scales = jax.lax.bitcast_convert_type(scales, jnp.uint8)
         return WeightSpec("nvfp4", e, n, k), (codes, scales, gs.reshape(e))
     w = jnp.asarray(w)
     if w.dtype != BF16:
