@@ -40,6 +40,7 @@ F32, BF16 = jnp.float32, jnp.bfloat16
 NEG_INF = float("-inf")
 
 BLOCK_K = 64  # keys per step
+NUM_WARPS, NUM_STAGES = 4, 3
 TARGET_PROGRAMS = 264  # full layers: enough (b, kv, split) programs for 2 waves over the H200's 132 SMs
 MAX_SPLITS = 128
 
@@ -87,10 +88,11 @@ def _attn_kernel(*refs, mode, ring, sliding, B, Hq, KV, G, D, window, n_slots, s
     if mode == "fused":
         k1f, k2f = k1.astype(F32), k2.astype(F32)
         s_new = (jnp.sum(q1.astype(F32) * k1f, axis=1) + jnp.sum(q2.astype(F32) * k2f, axis=1)) * inv_sqrt_d
-        take = active & (s == 0)
+        # Vector conditions: the Triton lowering's select wants operands of the condition's shape.
+        take = (jnp.zeros((ROWS,), jnp.int32) + (active & (s == 0)).astype(jnp.int32)) > 0
         m = jnp.where(take, s_new, NEG_INF)
-        l = jnp.where(take, 1.0, 0.0) + jnp.zeros((ROWS,), F32)
-        acc = jnp.where(take, 1.0, 0.0) * jnp.broadcast_to(v_new.astype(F32)[None, :], (ROWS, D))
+        l = jnp.where(take, 1.0, 0.0)
+        acc = jnp.where(take[:, None], jnp.broadcast_to(v_new.astype(F32)[None, :], (ROWS, D)), 0.0)
     else:
         m = jnp.full((ROWS,), NEG_INF, F32)
         l = jnp.zeros((ROWS,), F32)
@@ -205,7 +207,7 @@ def _attention_call(mode, first_args, cache, positions, active, sinks, cfg, slid
                                eps=cfg.rms_norm_eps, num_refs_in=len(args))
     outs = pl.pallas_call(
         kernel, grid=(B, KV, splits), out_shape=out_shape, input_output_aliases=aliases,
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3), interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES), interpret=interpret,
         name=f"decode_attention_{mode}_{'ring' if ring else 'full'}",
     )(*args)
     if splits == 1:
