@@ -8,12 +8,14 @@ next group_sizes[1] to expert 1, and so on (layers.routed_experts_grouped builds
 Linear [E, N, K]: BF16, or NVFP4 (flint_jax.nvfp4 kernel layout) dequantized in registers. Rows past
 sum(group_sizes) are not computed and read as unspecified.
 
-Schedule ("visits", as in megablox's gmm). The rows are cut into aligned tiles of BM rows; a tile that straddles a
-group boundary is visited once per group it holds. `group_layout` lists the visits (at most R/BM + E) as
+Schedule ("visits"). Each expert's rows are cut into tiles of BM rows that start at the expert's first row, so only
+the last tile of a group is partial (on average BM/2 idle rows per expert, where tiles aligned to multiples of BM
+would compute every tile that straddles a boundary twice). `group_layout` lists the visits (at most R/BM + E) as
 (expert, tile start, first row, end row); program (j, v) computes rows [tile, tile + BM) x columns [j*BN, j*BN+BN)
-with expert e_v's weights and stores only rows [first, end) (a masked store, so the visits of one tile write
-disjoint rows). Visits past the real count do nothing. Only the selected experts' work is done: an empty expert
-has no visit, and all tokens on one expert is R/BM visits of that expert.
+with expert e_v's weights and stores only rows [first, end) (a masked store: rows of the tile past the group
+belong to the next expert's visits). A tile that would run past the last row starts earlier instead (rows
+[R - BM, R)); it still stores only its own rows. Visits past the real count do nothing. Only the selected experts'
+work is done: an empty expert has no visit, and all tokens on one expert is R/BM visits of that expert.
 
 NVFP4 decode (integer ops only; the Triton lowering has no fp4/fp8 conversions we rely on): an E2M1 code
 c = s e e m becomes the f16 bit pattern (c & 7) << 9 | (c & 8) << 12, which is exactly E2M1(c) * 2^-14 (the code
@@ -54,11 +56,14 @@ class Block:
     num_stages: int
 
 
-# Starting points for the H200 (Hopper wgmma through Triton); scripts/bench_prefill.py sweeps alternatives.
-# NVFP4 uses BM = 128: the decode of a weight tile is amortised over more rows.
+# Starting points for the H200 (Hopper wgmma through Triton; scripts/bench_prefill.py sweeps alternatives). 128-row
+# tiles halve the operand traffic per FLOP against 64-row ones (the tiles are fed from L2) and amortise NVFP4's
+# decode; with Flint's 8K-token prefill an expert gets ~190 rows, so a partial last tile costs ~25% extra work.
+# All four compile for sm_90 with Triton 3.6 without register spills (128 x 128 x 2 FP32 accumulators for SwiGLU
+# use all 255 registers; NVFP4 SwiGLU uses BN = 64 to stay there).
 BLOCKS = {
-    ("bf16", "linear"): Block(64, 128, 64, 4, 3),
-    ("bf16", "swiglu"): Block(64, 128, 64, 8, 3),
+    ("bf16", "linear"): Block(128, 128, 64, 8, 3),
+    ("bf16", "swiglu"): Block(128, 128, 64, 8, 3),
     ("nvfp4", "linear"): Block(128, 128, 64, 8, 3),
     ("nvfp4", "swiglu"): Block(128, 64, 64, 8, 3),
 }
@@ -74,7 +79,7 @@ def default_block(kind: str, mode: str) -> Block:
 class GroupLayout:
     """The visit list of `group_sizes` over R rows in tiles of bm (see the module docstring). int32 [V] each."""
     expert: jax.Array
-    row0: jax.Array  # first row of the visit's tile (a multiple of bm)
+    row0: jax.Array  # first row of the visit's tile of bm rows (row0 + bm <= rows)
     lo: jax.Array  # first row of the tile that belongs to the visit's expert
     hi: jax.Array  # one past the last such row (lo == hi: an idle visit)
 
@@ -84,24 +89,23 @@ def max_visits(rows: int, experts: int, bm: int) -> int:
 
 
 def group_layout(group_sizes: jax.Array, rows: int, bm: int) -> GroupLayout:
-    """Visits for rows [0, sum(group_sizes)) sorted by expert, in aligned tiles of bm rows."""
+    """Visits for rows [0, sum(group_sizes)) sorted by expert, in tiles of bm rows from each group's start.
+    Needs rows >= bm (the wrappers pad)."""
     sizes = group_sizes.astype(jnp.int32)
     E = sizes.shape[0]
     ends = jnp.cumsum(sizes)
     starts = ends - sizes
-    first = starts // bm
-    last = (ends - 1) // bm
-    count = jnp.where(sizes > 0, last - first + 1, 0)
+    count = (sizes + bm - 1) // bm
     cum = jnp.cumsum(count)
     V = max_visits(rows, E, bm)
     v = jnp.arange(V, dtype=jnp.int32)
     e = jnp.minimum(jnp.searchsorted(cum, v, side="right"), E - 1).astype(jnp.int32)
     live = v < cum[-1]
-    tile = first[e] + v - (cum[e] - count[e])
-    row0 = jnp.where(live, tile * bm, 0)
-    lo = jnp.where(live, jnp.maximum(starts[e], row0), 0)
-    hi = jnp.where(live, jnp.minimum(ends[e], row0 + bm), 0)
-    return GroupLayout(e, row0.astype(jnp.int32), lo.astype(jnp.int32), hi.astype(jnp.int32))
+    lo = starts[e] + (v - (cum[e] - count[e])) * bm
+    hi = jnp.minimum(lo + bm, ends[e])
+    row0 = jnp.minimum(lo, rows - bm)
+    return GroupLayout(e, jnp.where(live, row0, 0).astype(jnp.int32), jnp.where(live, lo, 0).astype(jnp.int32),
+                       jnp.where(live, hi, 0).astype(jnp.int32))
 
 
 # ---- operands -------------------------------------------------------------------------------------------------
@@ -175,7 +179,7 @@ def _kernel(e_ref, r0_ref, lo_ref, hi_ref, x_ref, *refs, kind, n_w, mode, blk, k
     @pl.when(hi > lo)
     def _visit():
         e = e_ref[v]
-        row0 = pl.multiple_of(r0_ref[v], bm)
+        row0 = r0_ref[v]
         n0 = pl.multiple_of(j * bn, bn)
         rows = pl.ds(row0, bm)
         cols = pl.ds(n0, bn)
@@ -231,7 +235,7 @@ def _call(x, ws, group_sizes, *, mode, layout=None, interpret=False, block=None)
         raise ValueError(f"group_sizes must be [{E}], got {group_sizes.shape}")
     blk = _fit(block or default_block(kind, mode), kind, N, K)
     R = x.shape[0]
-    Rp = -(-R // blk.bm) * blk.bm
+    Rp = max(R, blk.bm)  # tiles never start before row 0 or end past the last row; only R < bm needs padding
     xp = x.astype(BF16)
     if Rp != R:
         xp = jnp.pad(xp, ((0, Rp - R), (0, 0)))
@@ -259,7 +263,7 @@ def grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *, interpret: bool =
                    block: Block | None = None, layout: GroupLayout | None = None) -> jax.Array:
     """`bf16(f32acc(x[r] @ W[e(r)].T) * gs[e(r)])` for rows x [R, K] sorted by expert (group_sizes [E] int32),
     w a stacked [E, N, K] BF16 or NVFP4 weight -> [R, N] BF16. `layout`: a precomputed `group_layout(group_sizes,
-    R rounded up to block.bm, block.bm)` to share between calls."""
+    max(R, block.bm), block.bm)` to share between calls."""
     return _call(x, [w], group_sizes, mode="linear", layout=layout, interpret=interpret, block=block)
 
 
@@ -287,14 +291,13 @@ def _ref_linear_tiles(xt: jax.Array, w, experts: jax.Array) -> jax.Array:
 def _ref_call(x, ws, group_sizes, mode):
     R, K = x.shape
     bm = REF_TILE
-    Rp = -(-R // bm) * bm
+    Rp = max(R, bm)
     xp = jnp.pad(x.astype(BF16), ((0, Rp - R), (0, 0)))
     lay = group_layout(group_sizes, Rp, bm)
-    tiles = xp.reshape(Rp // bm, bm, K)
 
     def one(args):
         row0, e = args
-        xt = tiles[row0 // bm]
+        xt = xp[row0[:, None] + jnp.arange(bm)[None, :]]  # [REF_BATCH, bm, K]: rows, not weights, are gathered
         ys = [_ref_linear_tiles(xt, w, e) for w in ws]
         return ys[0] if mode == "linear" else L.swiglu(ys[0], ys[1])
 
@@ -307,9 +310,8 @@ def _ref_call(x, ws, group_sizes, mode):
     r = lay.row0[:, None] + jnp.arange(bm)[None, :]
     keep = (r >= lay.lo[:, None]) & (r < lay.hi[:, None])
     # Each row belongs to exactly one visit: the sum adds zeros to it, which leaves it unchanged.
-    out = jnp.zeros((Rp // bm, bm, ys.shape[-1]), F32).at[lay.row0 // bm].add(
-        jnp.where(keep[..., None], ys.astype(F32), 0.0))
-    return out.reshape(Rp, -1)[:R].astype(BF16)
+    out = jnp.zeros((Rp, N), F32).at[r.reshape(-1)].add(jnp.where(keep[..., None], ys.astype(F32), 0.0).reshape(-1, N))
+    return out[:R].astype(BF16)
 
 
 def ref_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *, interpret: bool = False,

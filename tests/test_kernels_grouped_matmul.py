@@ -107,22 +107,21 @@ def test_down_projection_shape_with_default_blocks():
 @pytest.mark.parametrize("groups", list(GROUPS))
 def test_layout_visits_cover_each_row_once(groups):
     sizes = jnp.asarray(GROUPS[groups], jnp.int32)
-    R, bm = int(sizes.sum()) + 3, 16
+    bm = 16
+    R = max(int(sizes.sum()) + 3, bm)  # group_layout needs at least one tile of rows (the wrappers pad)
     lay = gm.group_layout(sizes, R, bm)
     assert lay.expert.shape == (gm.max_visits(R, E, bm),)
     cover = np.zeros(R, int)
     owner = np.repeat(np.arange(E), np.asarray(sizes))
     for e, r0, lo, hi in zip(*(np.asarray(a) for a in (lay.expert, lay.row0, lay.lo, lay.hi))):
         if hi > lo:
-            assert r0 % bm == 0 and r0 <= lo < hi <= r0 + bm
+            assert 0 <= r0 <= lo < hi <= r0 + bm <= R
             assert (owner[lo:hi] == e).all()
             cover[lo:hi] += 1
     assert (cover[:int(sizes.sum())] == 1).all() and (cover[int(sizes.sum()):] == 0).all()
-    # Only the selected experts' work: the number of live visits is the tiles each group touches.
+    # Only the selected experts' work: ceil(size / bm) visits per expert, none for an empty one.
     live = int((np.asarray(lay.hi) > np.asarray(lay.lo)).sum())
-    ends = np.cumsum(np.asarray(sizes))
-    starts = ends - np.asarray(sizes)
-    assert live == sum((e - 1) // bm - s // bm + 1 for s, e in zip(starts, ends) if e > s)
+    assert live == sum(-(-int(n) // bm) for n in np.asarray(sizes))
 
 
 def test_wrong_shapes_are_refused():
