@@ -67,10 +67,10 @@ def _logits_kernel(h_ref, nw_ref, r_ref, logits_ref, b_ref, *, mp, be, bk, eps, 
 
         def body(t, c):
             for r in range(mp):
-                b_ref[r, pl.ds(wt._k0(t, bkn), bkn)] = xs.tile(r, t, bkn, 0, None if inv is None else inv[r]
+                b_ref[r, pl.ds(wt.k_start(t, bkn), bkn)] = xs.tile(r, t, bkn, 0, None if inv is None else inv[r]
                                                                ).astype(BF16)
             return c
-        wt._loop(hidden // bkn, body, 0)
+        wt.k_loop(hidden // bkn, body, 0)
 
 
 def router_logits(h: jax.Array, router: jax.Array, *, norm_weight: jax.Array | None = None, eps: float = 1e-5,

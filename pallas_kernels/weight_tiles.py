@@ -116,12 +116,12 @@ def k_tile(spec: WeightSpec, bk: int) -> int:
 NORM_TILE = 4096  # values per step of the RMSNorm prologue
 
 
-def _k0(t, bk: int):
+def k_start(t, bk: int):
     """Start of K tile t; t is a Python int when a one-step loop is unrolled."""
     return t * bk if isinstance(t, int) else pl.multiple_of(t * bk, bk)
 
 
-def _loop(steps: int, body, init):
+def k_loop(steps: int, body, init):
     """fori_loop, or straight-line code for one step (lets every load of the step be in flight at once)."""
     return body(0, init) if steps == 1 else jax.lax.fori_loop(0, steps, body, init)
 
@@ -170,7 +170,7 @@ class XSource:
                 xh = self._raw(row, t, bk, 1).astype(F32)
                 ss = ss + jnp.sum(xh * xh)
             return ss
-        ss = _loop(k // bk, body, jnp.zeros((), F32))
+        ss = k_loop(k // bk, body, jnp.zeros((), F32))
         return jax.lax.rsqrt(ss / k + self.eps)
 
     def inv_rms_block(self, k: int, bk: int | None = None) -> jax.Array:
@@ -188,7 +188,7 @@ class XSource:
             if self.kind == "nvfp4":
                 ss = ss + sq(self._raw(slice(None), t, bk, 1))
             return ss
-        ss = _loop(k // bk, body, jnp.zeros((self.ref.shape[0],), F32))
+        ss = k_loop(k // bk, body, jnp.zeros((self.ref.shape[0],), F32))
         return jax.lax.rsqrt(ss / k + self.eps)
 
     def _slice(self, ref, row, t, bk, half):
@@ -198,7 +198,7 @@ class XSource:
             g = bk // 2 // GROUP
             g0 = t * g + half * (ref.shape[-2] // 2)
             return ref[(*lead, pl.ds(g0, g), slice(None))]
-        return ref[(*lead, pl.ds(_k0(t, bk), bk))]
+        return ref[(*lead, pl.ds(k_start(t, bk), bk))]
 
     def _raw(self, row, t, bk, half):
         return self._slice(self.ref, row, t, bk, half)
@@ -271,7 +271,7 @@ def stream_rows(xs: Sequence[XSource], rows: Sequence, weights: Sequence[tuple[W
                                              + jnp.sum(w_hi * xh[r][None], axis=2) * s_hi)
         else:
             xt = {r: xs[r].tile(rows[r], t, bk, 0, inv[r]) for r in used_rows}
-            k0 = _k0(t, bk)
+            k0 = k_start(t, bk)
             for wi, ((spec, (w,)), e) in enumerate(zip(weights, experts)):
                 mine = [(i, r) for i, (ww, r) in enumerate(pairs) if ww == wi]
                 if not mine:
@@ -282,7 +282,7 @@ def stream_rows(xs: Sequence[XSource], rows: Sequence, weights: Sequence[tuple[W
                     accs[i] = accs[i] + (prod if elementwise else jnp.sum(prod, axis=1))
         return tuple(accs)
 
-    accs = _loop(k // bk, body, init)
+    accs = k_loop(k // bk, body, init)
     out = []
     for a in accs:
         while a.ndim > 1:
@@ -324,13 +324,13 @@ def stream_rows_dot(xs: XSource, weights: Sequence[tuple[WeightSpec, Sequence]],
                 accs[wi] = accs[wi] + _dot_nt(xl, w_lo) + _dot_nt(xh, w_hi)
         else:
             xt = xs.tile(slice(None), t, bk, 0, inv).astype(BF16)
-            k0 = _k0(t, bk)
+            k0 = k_start(t, bk)
             for wi, (spec, (w,)) in enumerate(weights):
                 accs[wi] = accs[wi] + _dot_nt(xt, w[0, pl.ds(n0, bn), pl.ds(k0, bk)])
         return tuple(accs)
 
     init = tuple(jnp.zeros((rows, bn), F32) for _ in weights)
-    return list(_loop(k // bk, body, init))
+    return list(k_loop(k // bk, body, init))
 
 
 def global_scale(spec: WeightSpec, refs: Sequence, e) -> jax.Array | float:

@@ -1,11 +1,13 @@
 """Benchmark and GPU check of the weight-streaming kernels (issue 4): GEMVs, router, MoE experts, dense MLP.
 
-One run does everything the device lease allows in one call: measures the HBM streaming bandwidth, then for every
-Flint shape times the Pallas kernel and its jitted XLA reference over enough distinct weight copies to exceed the
-60 MB L2 (>= 300 MB in rotation), checks the kernel's outputs against the reference's on the GPU, and (time
-permitting) sweeps block sizes. Writes JSON and a Markdown table to --out.
+One run does everything the device lease allows in one call: measures the HBM streaming bandwidth and the launch
+floor, then for every Flint shape times each candidate block of the Pallas kernel and the jitted XLA reference over
+enough distinct weight copies to exceed the 60 MB L2 (>= 320 MB in rotation), checks the kernel's outputs against
+the reference's on the GPU, keeps the fastest correct candidate per (shape, dtype, M) as the table row, then the MoE
+and dense MLP blocks (with a per-kernel breakdown). Cases are skipped once --budget-s is spent. Writes JSON, a log and
+a Markdown table to --out. On the device machine: scripts/gpu_kernels_weights.sh; on the CPU: --tiny (interpret mode).
 
-    python scripts/bench_kernels_weights.py --out $OUT [--budget-s 200] [--quick] [--sweep]
+    python scripts/bench_kernels_weights.py --out $OUT [--budget-s 200] [--only gemv,moe,dense] [--sweep] [--m3]
 """
 
 from __future__ import annotations
@@ -95,7 +97,8 @@ def launch_floor():
 
     def k(x_ref, o_ref):
         o_ref[...] = x_ref[...] + 1.0
-    call = pl.pallas_call(k, out_shape=jax.ShapeDtypeStruct((16,), F32), compiler_params=plt.CompilerParams(num_warps=1))
+    call = pl.pallas_call(k, out_shape=jax.ShapeDtypeStruct((16,), F32),
+                          compiler_params=plt.CompilerParams(num_warps=1))
 
     @jax.jit
     def chain(x):
@@ -329,7 +332,8 @@ def main():
     left = lambda: args.budget_s - (time.time() - t0)  # noqa: E731
     dev = jax.devices()[0]
     log(f"device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}")
-    results = {"device": dev.device_kind, "jax": jax.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    results = {"device": dev.device_kind, "jax": jax.__version__,
+               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                "rows": [], "sweep": [], "errors": []}
 
     def save():
