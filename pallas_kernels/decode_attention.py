@@ -43,6 +43,7 @@ BLOCK_K = 64  # keys per step
 NUM_WARPS, NUM_STAGES = 4, 3
 TARGET_PROGRAMS = 264  # full layers: enough (b, kv, split) programs for 2 waves over the H200's 132 SMs
 MAX_SPLITS = 128
+MIN_CHUNK = 256  # keys per split at least: short contexts use fewer splits (fewer partials written and combined)
 
 
 def default_splits(batch: int, kv_heads: int, sliding: bool) -> int:
@@ -54,7 +55,20 @@ def default_splits(batch: int, kv_heads: int, sliding: bool) -> int:
     return min(MAX_SPLITS, 1 << (want - 1).bit_length())
 
 
-def _attn_kernel(*refs, mode, ring, sliding, B, Hq, KV, G, D, window, n_slots, splits, eps, num_refs_in):
+def split_geometry(pos, active, *, fused: bool, splits: int, min_chunk: int):
+    """How a full layer's keys are split, from the data: (length, chunk, active splits). Fused mode attends the old
+    keys [0, pos) from the cache and the new token from registers (split 0); otherwise keys [0, pos]."""
+    q_pos = jnp.where(active, pos, -1)
+    length = jnp.maximum(q_pos if fused else q_pos + 1, 0)
+    chunk = jnp.maximum(pl.cdiv(pl.cdiv(length, splits), BLOCK_K) * BLOCK_K, min_chunk)
+    n_active = pl.cdiv(length, chunk)
+    if fused:
+        n_active = jnp.maximum(n_active, active.astype(jnp.int32))
+    return length, chunk, n_active
+
+
+def _attn_kernel(*refs, mode, ring, sliding, B, Hq, KV, G, D, window, n_slots, splits, min_chunk, eps,
+                 num_refs_in):
     ins, outs = refs[:num_refs_in], refs[num_refs_in:]
     dh = D // 2
     b, kv, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -105,8 +119,8 @@ def _attn_kernel(*refs, mode, ring, sliding, B, Hq, KV, G, D, window, n_slots, s
         n_blocks = jnp.where(active, pl.cdiv(n_slots, BLOCK_K), 0)
         hi = n_slots
     else:
-        length = jnp.maximum(q_pos if mode == "fused" else q_pos + 1, 0)
-        chunk = pl.cdiv(pl.cdiv(length, splits), BLOCK_K) * BLOCK_K
+        length, chunk, n_active = split_geometry(pos, active, fused=mode == "fused", splits=splits,
+                                                 min_chunk=min_chunk)
         lo = s * chunk
         hi = jnp.minimum(length, lo + chunk)
         n_blocks = pl.cdiv(jnp.maximum(hi - lo, 0), BLOCK_K)
@@ -150,35 +164,43 @@ def _attn_kernel(*refs, mode, ring, sliding, B, Hq, KV, G, D, window, n_slots, s
         plgpu.store(o_ref.at[b, heads, :], o.astype(BF16), mask=gmask)
     else:
         acc_ref, m_ref, l_ref = outs[0], outs[1], outs[2]
-        plgpu.store(acc_ref.at[b, heads, s, :], acc, mask=gmask)
-        plgpu.store(m_ref.at[b, heads, s], m, mask=gmask[:, 0])
-        plgpu.store(l_ref.at[b, heads, s], l, mask=gmask[:, 0])
+
+        @pl.when(s < n_active)  # splits past the data write nothing; combine does not read them
+        def _():
+            plgpu.store(acc_ref.at[b, heads, s, :], acc, mask=gmask)
+            plgpu.store(m_ref.at[b, heads, s], m, mask=gmask[:, 0])
+            plgpu.store(l_ref.at[b, heads, s], l, mask=gmask[:, 0])
 
 
-def _combine_kernel(acc_ref, m_ref, l_ref, sink_ref, o_ref):
+def _combine_kernel(acc_ref, m_ref, l_ref, sink_ref, pos_ref, act_ref, o_ref, *, fused, splits, min_chunk):
     b, h = pl.program_id(0), pl.program_id(1)
-    m = m_ref[b, h, :]
-    l = l_ref[b, h, :]
+    _, _, n_active = split_geometry(pos_ref[b], act_ref[b] != 0, fused=fused, splits=splits, min_chunk=min_chunk)
+    live = jnp.arange(splits) < n_active
+    m = plgpu.load(m_ref.at[b, h, :], mask=live, other=NEG_INF)
+    l = plgpu.load(l_ref.at[b, h, :], mask=live, other=0)
+    acc = plgpu.load(acc_ref.at[b, h, :, :], mask=live[:, None], other=0)
     sink = sink_ref[pl.ds(h, 1)].astype(F32)  # [1]
     big = jnp.maximum(jnp.max(m, axis=0, keepdims=True), sink)
     big = jnp.where(jnp.isfinite(big), big, 0.0)
     w = jnp.exp(m - big)  # [S]
     denom = jnp.sum(l * w, axis=0, keepdims=True) + jnp.exp(sink - big)
-    o = jnp.sum(acc_ref[b, h, :, :] * w[:, None], axis=0) / denom
+    o = jnp.sum(acc * w[:, None], axis=0) / denom
     o_ref[b, h, :] = o.astype(BF16)
 
 
-def combine(acc, m, l, sinks, interpret: bool = False):
-    """Fold split partials (acc [B, Hq, S, D], running max m and sum l [B, Hq, S]) and the sinks -> o bf16."""
+def combine(acc, m, l, sinks, positions, active, *, fused: bool, min_chunk: int, interpret: bool = False):
+    """Fold split partials (acc [B, Hq, S, D], running max m and sum l [B, Hq, S]) and the sinks -> o bf16. Only
+    the splits that `split_geometry` says hold data are read."""
     B, Hq, S, D = acc.shape
+    kernel = functools.partial(_combine_kernel, fused=fused, splits=S, min_chunk=min_chunk)
     return pl.pallas_call(
-        _combine_kernel, grid=(B, Hq), out_shape=jax.ShapeDtypeStruct((B, Hq, D), BF16),
+        kernel, grid=(B, Hq), out_shape=jax.ShapeDtypeStruct((B, Hq, D), BF16),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
         name="decode_attention_combine",
-    )(acc, m, l, sinks.astype(F32))
+    )(acc, m, l, sinks.astype(F32), positions.astype(jnp.int32), active.astype(jnp.int32))
 
 
-def _attention_call(mode, first_args, cache, positions, active, sinks, cfg, sliding, splits, interpret):
+def _attention_call(mode, first_args, cache, positions, active, sinks, cfg, sliding, splits, min_chunk, interpret):
     B = positions.shape[0]
     Hq, KV, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     check_cache(cache, cfg, B, sliding)
@@ -190,6 +212,9 @@ def _attention_call(mode, first_args, cache, positions, active, sinks, cfg, slid
         raise ValueError("ring caches use one split")
     if splits & (splits - 1):
         raise ValueError(f"splits must be a power of two, got {splits}")
+    min_chunk = MIN_CHUNK if min_chunk is None else min_chunk
+    if min_chunk < BLOCK_K or min_chunk % BLOCK_K:
+        raise ValueError(f"min_chunk must be a multiple of BLOCK_K={BLOCK_K}, got {min_chunk}")
     cache_in = [cache.k, cache.v] + ([cache.pos] if ring else [])
     args = [*first_args, positions.astype(jnp.int32), active.astype(jnp.int32), sinks.astype(F32), *cache_in]
     if splits == 1:
@@ -204,7 +229,7 @@ def _attention_call(mode, first_args, cache, positions, active, sinks, cfg, slid
         aliases = {len(args) - len(cache_in) + i: n_out + i for i in range(len(cache_in))}
     kernel = functools.partial(_attn_kernel, mode=mode, ring=ring, sliding=sliding, B=B, Hq=Hq, KV=KV,
                                G=cfg.q_per_kv, D=D, window=cfg.sliding_window, n_slots=n_slots, splits=splits,
-                               eps=cfg.rms_norm_eps, num_refs_in=len(args))
+                               min_chunk=min_chunk, eps=cfg.rms_norm_eps, num_refs_in=len(args))
     outs = pl.pallas_call(
         kernel, grid=(B, KV, splits), out_shape=out_shape, input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES), interpret=interpret,
@@ -213,7 +238,9 @@ def _attention_call(mode, first_args, cache, positions, active, sinks, cfg, slid
     if splits == 1:
         o, rest = outs[0], outs[1:]
     else:
-        o, rest = combine(*outs[:3], sinks, interpret=interpret), outs[3:]
+        o = combine(*outs[:3], sinks, positions, active, fused=mode == "fused", min_chunk=min_chunk,
+                    interpret=interpret)
+        rest = outs[3:]
     if mode != "fused":
         return o, cache
     new_cache = RingCache(k=rest[0], v=rest[1], pos=rest[2]) if ring else FullCache(k=rest[0], v=rest[1])
@@ -221,7 +248,8 @@ def _attention_call(mode, first_args, cache, positions, active, sinks, cfg, slid
 
 
 def decode_attention(q: jax.Array, cache, positions: jax.Array, sinks: jax.Array, cfg: FlintConfig, sliding: bool,
-                     active: jax.Array | None = None, splits: int | None = None, interpret: bool = False) -> jax.Array:
+                     active: jax.Array | None = None, splits: int | None = None, min_chunk: int | None = None,
+                     interpret: bool = False) -> jax.Array:
     """Attention of one new token per sequence over a cache that already holds it.
     q [B, Hq, D] bf16 (normed, RoPE'd), positions [B] (the token's position; keys <= position are read, and on a
     sliding layer only the last `sliding_window` of them), sinks [Hq] f32, active [B] bool (inactive rows read
@@ -229,16 +257,18 @@ def decode_attention(q: jax.Array, cache, positions: jax.Array, sinks: jax.Array
     B = q.shape[0]
     if active is None:
         active = jnp.ones((B,), bool)
-    o, _ = _attention_call("attend", [q], cache, positions, active, sinks, cfg, sliding, splits, interpret)
+    o, _ = _attention_call("attend", [q], cache, positions, active, sinks, cfg, sliding, splits, min_chunk,
+                           interpret)
     return o
 
 
 def fused_decode_attention(qkv: jax.Array, attn, cache, positions: jax.Array, active: jax.Array, cfg: FlintConfig,
-                           sliding: bool, splits: int | None = None, interpret: bool = False):
+                           sliding: bool, splits: int | None = None, min_chunk: int | None = None,
+                           interpret: bool = False):
     """From the raw projection qkv [B, Hq+2KV, D] (`qkv_projection`): finish Q/K, write K/V, attend.
     Returns (o [B, Hq, D] bf16, new cache)."""
     return _attention_call("fused", [qkv, attn.q_norm, attn.k_norm, rope_tables(cfg)], cache, positions, active,
-                           attn.sinks, cfg, sliding, splits, interpret)
+                           attn.sinks, cfg, sliding, splits, min_chunk, interpret)
 
 
 def output_projection(o: jax.Array, w, h: jax.Array, interpret: bool = False) -> jax.Array:
@@ -251,12 +281,14 @@ def output_projection(o: jax.Array, w, h: jax.Array, interpret: bool = False) ->
 
 
 def attention_block_decode(h: jax.Array, layer, cache, positions: jax.Array, active: jax.Array, cfg: FlintConfig,
-                           sliding: bool, splits: int | None = None, interpret: bool = False):
+                           sliding: bool, splits: int | None = None, min_chunk: int | None = None,
+                           interpret: bool = False):
     """`model.attention_block` for T = 1: h [B, H] bf16, positions [B] (= the sequence lengths before this token),
     active [B] bool. Returns (h + Wo(attention(rmsnorm(h))) [B, H] bf16, new cache)."""
     B = h.shape[0]
     qkv = qkv_projection(h, layer.attn_norm, layer.attn, cfg, interpret=interpret)
-    o, cache = fused_decode_attention(qkv, layer.attn, cache, positions, active, cfg, sliding, splits, interpret)
+    o, cache = fused_decode_attention(qkv, layer.attn, cache, positions, active, cfg, sliding, splits, min_chunk,
+                                      interpret)
     return output_projection(o.reshape(B, -1), layer.attn.o, h, interpret=interpret), cache
 
 
@@ -273,8 +305,8 @@ def decode_mask(cache, positions: jax.Array, active: jax.Array, cfg: FlintConfig
 
 
 def ref_decode_attention(q, cache, positions, sinks, cfg: FlintConfig, sliding: bool, active=None, splits=None,
-                         interpret: bool = False):
-    del splits, interpret
+                         min_chunk=None, interpret: bool = False):
+    del splits, min_chunk, interpret
     if active is None:
         active = jnp.ones((q.shape[0],), bool)
     mask = decode_mask(cache, positions, active, cfg, sliding)
@@ -282,10 +314,10 @@ def ref_decode_attention(q, cache, positions, sinks, cfg: FlintConfig, sliding: 
 
 
 def ref_attention_block_decode(h, layer, cache, positions, active, cfg: FlintConfig, sliding: bool, splits=None,
-                               interpret: bool = False):
+                               min_chunk=None, interpret: bool = False):
     """model.attention_block with T = 1, for one token per sequence at `positions`."""
     from flint_jax.model import attention_block
-    del splits, interpret
+    del splits, min_chunk, interpret
     out, cache = attention_block(h[:, None], layer, cache, positions[:, None], active[:, None],
                                  positions + active.astype(jnp.int32), cfg, sliding)
     return out[:, 0], cache

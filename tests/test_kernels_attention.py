@@ -40,10 +40,10 @@ def _jit(f, *static):
 qkv_k = _jit(AP.qkv_projection, "cfg")
 prologue_k = _jit(AP.attention_prologue, "cfg", "sliding")
 prologue_r = jax.jit(AP.ref_attention_prologue, static_argnames=("cfg", "sliding"))
-attend_k = _jit(DA.decode_attention, "cfg", "sliding", "splits")
-attend_r = jax.jit(DA.ref_decode_attention, static_argnames=("cfg", "sliding", "splits"))
-block_k = _jit(DA.attention_block_decode, "cfg", "sliding", "splits")
-block_r = jax.jit(DA.ref_attention_block_decode, static_argnames=("cfg", "sliding", "splits"))
+attend_k = _jit(DA.decode_attention, "cfg", "sliding", "splits", "min_chunk")
+attend_r = jax.jit(DA.ref_decode_attention, static_argnames=("cfg", "sliding", "splits", "min_chunk"))
+block_k = _jit(DA.attention_block_decode, "cfg", "sliding", "splits", "min_chunk")
+block_r = jax.jit(DA.ref_attention_block_decode, static_argnames=("cfg", "sliding", "splits", "min_chunk"))
 
 
 @functools.cache
@@ -131,16 +131,18 @@ def test_attention_prologue(weights, sliding):
 # Lengths 1, W-1, W, W+1 and several wraps of the ring in one batch (position = length - 1), plus an inactive
 # sequence (reads nothing: o = 0 when the sink is finite).
 RING_POSITIONS = [0, W - 2, W - 1, W, 3 * W + 5, 40]
-# With 4 splits of BLOCK_K = 64 keys: lengths at and around the chunk boundaries (64, 128, 192, 256 = max_len).
+# With 4 splits and chunks of >= 64 keys (BLOCK_K): lengths at and around the chunk boundaries (64, 128, 192,
+# 256 = max_len); with chunks of >= 128 keys, lengths <= 128 use one split of the four and the rest two.
 FULL_POSITIONS = [0, 63, 64, 128, 190, 255]
 ACTIVE = jnp.array([True] * 5 + [False])
 
 
-def check_attention(cache, positions, sink, sliding, splits=None):
+def check_attention(cache, positions, sink, sliding, splits=None, min_chunk=None):
     B = len(positions)
     q = random_q(jax.random.key(7), B)
     pos = jnp.asarray(positions, jnp.int32)
-    got = attend_k(q, cache, pos, sinks_of(sink), cfg=CFG, sliding=sliding, active=ACTIVE, splits=splits)
+    got = attend_k(q, cache, pos, sinks_of(sink), cfg=CFG, sliding=sliding, active=ACTIVE, splits=splits,
+                   min_chunk=min_chunk)
     ref = attend_r(q, cache, pos, sinks_of(sink), cfg=CFG, sliding=sliding, active=ACTIVE)
     if sink == "-inf":  # the inactive row is 0/0 in the reference too: compare the others
         got, ref = got[:-1], ref[:-1]
@@ -154,11 +156,11 @@ def test_decode_attention_ring(sink):
     check_attention(ring_cache(jax.random.key(4), RING_POSITIONS), RING_POSITIONS, sink, sliding=True)
 
 
-@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("splits,min_chunk", [(1, 64), (4, 64), (4, 128)])
 @pytest.mark.parametrize("sink", list(SINKS))
-def test_decode_attention_full(splits, sink):
+def test_decode_attention_full(splits, min_chunk, sink):
     check_attention(full_cache(jax.random.key(6), len(FULL_POSITIONS)), FULL_POSITIONS, sink, sliding=False,
-                    splits=splits)
+                    splits=splits, min_chunk=min_chunk)
 
 
 def test_default_splits():
@@ -184,7 +186,8 @@ def test_attention_block_decode_steps(weights, sliding):
     for step in range(2):
         h = jax.random.normal(jax.random.key(20 + step), (B, CFG.hidden_size)).astype(jnp.bfloat16)
         active = jnp.array([True, step != 0, True, True])
-        got, cache = block_k(h, layer, cache, pos, active, cfg=CFG, sliding=sliding, splits=None if sliding else 4)
+        got, cache = block_k(h, layer, cache, pos, active, cfg=CFG, sliding=sliding, splits=None if sliding else 4,
+                             min_chunk=None if sliding else 64)
         ref, cache_ref = block_r(h, layer, cache_ref, pos, active, cfg=CFG, sliding=sliding)
         assert_out_close(got, ref)
         assert_ulp_close(cache.k, cache_ref.k)
@@ -211,7 +214,8 @@ def test_kernels_lower_to_triton_for_h200(monkeypatch):
         for sliding in (True, False):
             layer = params(weights).layers[0 if sliding else 1]
             cache = ring_cache(jax.random.key(0), [2, 39]) if sliding else full_cache(jax.random.key(0), 2)
-            fns = [lambda c: DA.attention_block_decode(h, layer, c, pos, active, CFG, sliding, 1 if sliding else 4)]
+            fns = [lambda c: DA.attention_block_decode(h, layer, c, pos, active, CFG, sliding, 1 if sliding else 4,
+                                                       64)]
             if weights == "nvfp4":
                 fns += [lambda c: AP.attention_prologue(h, layer.attn_norm, layer.attn, c, pos, active, CFG, sliding),
                         lambda c: DA.decode_attention(q, c, pos, layer.attn.sinks, CFG, sliding, active,
