@@ -397,8 +397,9 @@ def moe_inputs(cfg: FlintConfig, tokens: int):
     return x, sizes
 
 
-def section_moe(run: Run, cfg: FlintConfig, tokens: int, tiny: bool) -> tuple:
-    """Expert GEMMs of one MoE layer; returns the best (gate/up, down) blocks per weight kind."""
+def section_moe(run: Run, cfg: FlintConfig, tokens: int, tiny: bool, phase: str = "main") -> None:
+    """Expert GEMMs of one MoE layer. phase "main": our kernels with the table's blocks, our reference and jax's
+    options; "sweep": the other block candidates (the best per kernel is reported)."""
     E, I, H = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
     K = cfg.num_experts_per_tok
     x, sizes = jax.jit(moe_inputs, static_argnums=(0, 1))(cfg, tokens)
@@ -407,10 +408,9 @@ def section_moe(run: Run, cfg: FlintConfig, tokens: int, tiny: bool) -> tuple:
     res["shape"] = {"tokens": tokens, "pairs": R, "experts": E, "H": H, "I": I}
     fl_gate = 2 * R * H * I
     fl_layer = 3 * fl_gate
-    best = {}
     interpret = jax.default_backend() == "cpu"
     for kind in ("nvfp4", "bf16") if not tiny else ("nvfp4",):
-        if not run.allows(15 if not tiny else 2, f"moe {kind}"):
+        if not run.allows(15 if not tiny else 2, f"moe {kind} {phase}"):
             break
         ks = jax.random.split(jax.random.key(22), 3)
 
@@ -423,13 +423,11 @@ def section_moe(run: Run, cfg: FlintConfig, tokens: int, tiny: bool) -> tuple:
                          for k, s in ((ks[0], (E, I, H)), (ks[1], (E, I, H)), (ks[2], (E, H, I))))
         g, u, d = make(ks)
         act = jax.jit(lambda: gm.ref_grouped_swiglu(x, g, u, sizes))()
-        out = {}
-        # Our kernels: block sweep (the table's entry first).
+        out = res.setdefault(kind, {})
         picks = []
         for mode, w_args, xin in (("swiglu", (g, u), x), ("linear", (d,), act)):
-            cands = GM_SWEEP[(kind, mode)] if not tiny and not run.args.no_sweep else [
-                gm.default_block(kind, mode)]
-            timings = []
+            default = gm.default_block(kind, mode)
+            cands = [default] if phase == "main" else [b for b in GM_SWEEP[(kind, mode)] if b != default]
             for blk in cands:
                 if not run.allows(4 if not tiny else 1, f"moe {kind} {mode} {blk}"):
                     break
@@ -440,17 +438,21 @@ def section_moe(run: Run, cfg: FlintConfig, tokens: int, tiny: bool) -> tuple:
                     first, ms = time_fn(lambda: fn(xin, *w_args, sizes))
                     m = min(ms)
                     flops = 2 * fl_gate if mode == "swiglu" else fl_gate
-                    timings.append((m, blk))
-                    out[f"ours {mode} {blk}"] = {"ms": m, "tflops": flops / m / 1e9, "compile_s": first}
+                    out[f"ours {mode} {blk}"] = {"ms": m, "tflops": flops / m / 1e9, "compile_s": first,
+                                                 "mode": mode, "block": dataclasses.asdict(blk)}
                     log(f"moe {kind} ours {mode} {blk}: {m:.3f} ms, {flops / m / 1e9:.1f} TFLOP/s")
                 except Exception as e:  # noqa: BLE001
                     run.error(f"moe {kind} ours {mode} {blk}", e)
-            picks.append(min(timings, key=lambda t: t[0])[1] if timings else None)
-        best[kind] = tuple(picks)
-        total = sum(out[f"ours {m} {b}"]["ms"] for m, b in zip(("swiglu", "linear"), picks) if b is not None)
-        if all(b is not None for b in picks):
-            out["ours layer (best blocks)"] = {"ms": total, "tflops": fl_layer / total / 1e9,
-                                              "blocks": [dataclasses.asdict(b) for b in picks]}
+            timed = [v for v in out.values() if isinstance(v, dict) and v.get("mode") == mode]
+            picks.append(min(timed, key=lambda v: v["ms"]) if timed else None)
+        if all(p is not None for p in picks):
+            total = sum(p["ms"] for p in picks)
+            out["ours layer (best blocks so far)"] = {"ms": total, "tflops": fl_layer / total / 1e9,
+                                                      "blocks": [p["block"] for p in picks]}
+        if phase != "main":
+            del g, u, d, act
+            run.save()
+            continue
         # Our tiled plain-JAX reference (the whole layer's three GEMMs).
         if run.allows(10 if not tiny else 1, f"moe {kind} reference"):
             try:
@@ -491,14 +493,13 @@ def section_moe(run: Run, cfg: FlintConfig, tokens: int, tiny: bool) -> tuple:
                 except Exception as e:  # noqa: BLE001
                     out["ragged_dot_mgpu (Mosaic GPU), gate only"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
                     run.error("moe ragged_dot_mgpu", e)
-        res[kind] = out
         del g, u, d, act
         run.save()
-    return best
 
 
-def section_attn(run: Run, cfg: FlintConfig, T: int, long_ctx: int, tiny: bool):
-    """Prefill attention for one chunk of T queries: sliding ring; full at offset 0 and at ~long_ctx."""
+def section_attn(run: Run, cfg: FlintConfig, T: int, long_ctx: int, tiny: bool, phase: str = "main") -> None:
+    """Prefill attention for one chunk of T queries: sliding ring; full at offset 0 and at ~long_ctx. phase "main":
+    the default block and the references; "sweep": other blocks on the full layer at offset 0."""
     Hq, KV, D, W = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.sliding_window
     B = 1
     ks = jax.random.split(jax.random.key(31), 4)
@@ -507,8 +508,8 @@ def section_attn(run: Run, cfg: FlintConfig, T: int, long_ctx: int, tiny: bool):
     sinks = jnp.zeros((Hq,), F32)
     res = run.results["attn"]
     interpret = jax.default_backend() == "cpu"
-    best = None
-    for offset, mode in ((0, "ring"), (0, "full"), (long_ctx - T, "full")):
+    cases = ((0, "ring"), (0, "full"), (long_ctx - T, "full")) if phase == "main" else ((0, "full"),)
+    for offset, mode in cases:
         S = offset + T
         positions = (offset + jnp.arange(T, dtype=jnp.int32))[None]
         if mode == "ring":
@@ -520,9 +521,7 @@ def section_attn(run: Run, cfg: FlintConfig, T: int, long_ctx: int, tiny: bool):
             full = FullCache(jnp.zeros((B, KV, S, D), BF16) + 0.01, jnp.zeros((B, KV, S, D), BF16) + 0.01)
             keys_per_q = offset + np.arange(T) + 1
         flops = 4 * Hq * D * float(keys_per_q.sum())
-        cands = ATTN_SWEEP if (not tiny and not run.args.no_sweep and mode == "full" and offset == 0) else [
-            best or pa.DEFAULT_BLOCK]
-        timings = []
+        cands = [pa.DEFAULT_BLOCK] if phase == "main" else [b for b in ATTN_SWEEP if b != pa.DEFAULT_BLOCK]
         for blk in cands:
             label = f"{mode} T={T} offset={offset} {blk}"
             if not run.allows(5, f"attn {label}"):
@@ -537,14 +536,12 @@ def section_attn(run: Run, cfg: FlintConfig, T: int, long_ctx: int, tiny: bool):
                                                            interpret=interpret))
                 first, ms = time_fn(fn, reps=2)
                 m = min(ms)
-                timings.append((m, blk))
                 res[label] = {"ms": m, "tflops": flops / m / 1e9, "compile_s": first}
                 log(f"attn ours {label}: {m:.3f} ms, {flops / m / 1e9:.1f} TFLOP/s")
             except Exception as e:  # noqa: BLE001
                 run.error(f"attn {label}", e)
-        if len(cands) > 1 and timings:
-            best = min(timings, key=lambda t: t[0])[1]
-            res["best block"] = dataclasses.asdict(best)
+        if phase != "main":
+            continue
         # The reference where its [T, S] scores fit comfortably (up to ~12 GB of FP32 scores).
         score_bytes = 4 * Hq * T * (S + (W if mode == "ring" else 0))
         if score_bytes <= 12e9 and run.allows(10, f"attn reference {mode} offset={offset}"):
@@ -561,10 +558,7 @@ def section_attn(run: Run, cfg: FlintConfig, T: int, long_ctx: int, tiny: bool):
         elif score_bytes > 12e9:
             res[f"reference {mode} T={T} offset={offset}"] = {
                 "skipped": f"layers.attend would materialise {score_bytes / 1e9:.0f} GB of FP32 scores"}
-        if mode == "full" and offset > 0:
-            del full
         run.save()
-    return best
 
 
 def section_prefill(run: Run, cfg: FlintConfig, kind: str, params, tokens: np.ndarray, chunk: int, tiny: bool,
@@ -739,8 +733,14 @@ def main(argv=None) -> int:
                 section_check(run, cfg, tiny)
             except Exception as e:  # noqa: BLE001
                 run.error("check", e)
-        # The headline numbers first (8K prefill with the kernels, NVFP4 then BF16, and the NVFP4 TTFT), then
-        # the extras (chunked, references), then the component benchmarks and block sweeps.
+        # jax's MoE options and our kernels' default blocks on one layer, then the model: the headline numbers
+        # (8K prefill with the kernels, NVFP4 then BF16, and the NVFP4 TTFT) before the extras (chunked runs,
+        # references), then the prefill attention alone and the block sweeps with what budget is left.
+        if "moe" not in skip:
+            try:
+                section_moe(run, cfg, N, tiny, "main")
+            except Exception as e:  # noqa: BLE001
+                run.error("moe", e)
         tokens = np.asarray(jax.random.randint(jax.random.key(40), (1, N), 0, cfg.vocab_size), np.int32)
         kinds = [w for w in args.weights.split(",") if w]
         for i, kind in enumerate(kinds):
@@ -763,16 +763,20 @@ def main(argv=None) -> int:
                 section_prefill(run, cfg, kind, params, tokens, chunk, tiny, reserve, which="extras")
             del params
             jax.clear_caches()
-        if "moe" not in skip:
-            try:
-                section_moe(run, cfg, N, tiny)
-            except Exception as e:  # noqa: BLE001
-                run.error("moe", e)
         if "attn" not in skip:
             try:
-                section_attn(run, cfg, min(N, long_chunk), long_n, tiny)
+                section_attn(run, cfg, min(N, long_chunk), long_n, tiny, "main")
             except Exception as e:  # noqa: BLE001
                 run.error("attn", e)
+        if not tiny and not args.no_sweep:
+            for name, fn in (("moe", lambda: section_moe(run, cfg, N, tiny, "sweep")),
+                             ("attn", lambda: section_attn(run, cfg, min(N, long_chunk), long_n, tiny, "sweep"))):
+                if name in skip:
+                    continue
+                try:
+                    fn()
+                except Exception as e:  # noqa: BLE001
+                    run.error(f"{name} sweep", e)
     finally:
         run.results["meta"]["wall_s"] = round(time.time() - T0, 1)
         run.save()

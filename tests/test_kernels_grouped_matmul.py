@@ -130,3 +130,26 @@ def test_wrong_shapes_are_refused():
         gm.grouped_matmul(x[:, :64], weights("bf16"), sizes, interpret=True)
     with pytest.raises(ValueError, match="group_sizes"):
         gm.grouped_matmul(x, weights("bf16"), sizes[:4], interpret=True)
+
+
+# ---- the GPU lowering, checked on the CPU ---------------------------------------------------------------------
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_kernels_lower_to_triton_for_h200(monkeypatch):
+    """Both kernels, both weight kinds, at Flint's expert shapes (8K tokens x top-6), lower to Triton IR for CUDA (an
+    H200 described abstractly, no GPU needed): catches ops the Triton lowering lacks and non-power-of-two tiles
+    that interpret mode accepts. (Compiling the IR to PTX needs the device machine, or a standalone Triton 3.6:
+    docs/KERNELS.md, "Prefill (issue 7)".)"""
+    from jax._src.pallas.triton import gpu_info, pallas_call_registration
+    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
+                        lambda: gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200))
+    S = jax.ShapeDtypeStruct
+    Ef, I, H, R = 256, 512, 2048, 8192 * 6
+    sizes = S((Ef,), jnp.int32)
+    for kind in ("bf16", "nvfp4"):
+        gu = S((Ef, I, H), BF16) if kind == "bf16" else nvfp4.abstract((Ef, I, H))
+        dn = S((Ef, H, I), BF16) if kind == "bf16" else nvfp4.abstract((Ef, H, I))
+        for fn, args in ((lambda x, g, u, s: gm.grouped_swiglu(x, g, u, s), (S((R, H), BF16), gu, gu, sizes)),
+                         (lambda x, w, s: gm.grouped_matmul(x, w, s), (S((R, I), BF16), dn, sizes))):
+            text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+            assert "__gpu$xla.gpu.triton" in text

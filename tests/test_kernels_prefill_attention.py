@@ -124,3 +124,25 @@ def test_default_blocks_short_chunk_and_short_cache():
     lengths_after = jnp.array([12, 5], jnp.int32)
     out = pa.full_attention(q, q_pos, cache, lengths_after, sk, interpret=INTERPRET)
     assert_close(out, pa.ref_full_attention(q, q_pos, cache, lengths_after, sk), np.asarray(valid))
+
+
+# ---- the GPU lowering, checked on the CPU ---------------------------------------------------------------------
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_kernels_lower_to_triton_for_h200(monkeypatch):
+    """Both kernels at Flint's shapes (an 8K chunk, window 513, a 100K cache) lower to Triton IR for CUDA (an H200
+    described abstractly, no GPU needed). (Compiling the IR to PTX needs the device machine, or a standalone
+    Triton 3.6: docs/KERNELS.md, "Prefill (issue 7)".)"""
+    from jax._src.pallas.triton import gpu_info, pallas_call_registration
+    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
+                        lambda: gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200))
+    S = jax.ShapeDtypeStruct
+    Tf, Hf, KVf, Df, Wf, Sf = 8192, 32, 4, 128, 513, 100_000
+    q, k = S((1, Tf, Hf, Df), BF16), S((1, Tf, KVf, Df), BF16)
+    q_pos, sinks, lens = S((1, Tf), jnp.int32), S((Hf,), F32), S((1,), jnp.int32)
+    ring = RingCache(S((1, KVf, Wf, Df), BF16), S((1, KVf, Wf, Df), BF16), S((1, Wf), jnp.int32))
+    full = FullCache(S((1, KVf, Sf, Df), BF16), S((1, KVf, Sf, Df), BF16))
+    for fn, args in ((lambda q, k, v, p, r, s: pa.ring_attention(q, k, v, p, r, s, Wf), (q, k, k, q_pos, ring, sinks)),
+                     (lambda q, p, c, n, s: pa.full_attention(q, p, c, n, s), (q, q_pos, full, lens, sinks))):
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "__gpu$xla.gpu.triton" in text

@@ -69,3 +69,34 @@ def test_chunked_prefill_equals_reference_forward(prefill_step, window, weights,
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(ref_state)):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         assert np.abs(a - b).max() <= 2e-2 * max(1.0, float(np.abs(b).max()))
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_blocks_lower_for_the_gpu_at_flint_shape(monkeypatch):
+    """Both blocks, both weight formats, at the full Flint shape (an 8K chunk), lower for CUDA with the kernels
+    compiled (not interpreted): the Triton kernels and the XLA parts around them (an H200 described abstractly)."""
+    from jax._src.pallas.triton import gpu_info, pallas_call_registration
+
+    from flint_jax.params import abstract_params
+    from flint_jax.state import FullCache, RingCache
+    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
+                        lambda: gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200))
+    cfg = FlintConfig.flint()
+    S = jax.ShapeDtypeStruct
+    T, W, KV, D = 8192, cfg.sliding_window, cfg.num_key_value_heads, cfg.head_dim
+    h, pos, valid, la = S((1, T, cfg.hidden_size), jnp.bfloat16), S((1, T), jnp.int32), S((1, T), bool), \
+        S((1,), jnp.int32)
+    ring = RingCache(S((1, KV, W, D), jnp.bfloat16), S((1, KV, W, D), jnp.bfloat16), S((1, W), jnp.int32))
+    full = FullCache(S((1, KV, 16384, D), jnp.bfloat16), S((1, KV, 16384, D), jnp.bfloat16))
+    for weights in ("bf16", "nvfp4"):
+        layers = abstract_params(cfg, weights).layers
+        cases = [
+            (lambda h, l, c, p, v, n: P.attention_block(h, l, c, p, v, n, cfg, True, interpret=False),
+             (h, layers[2], ring, pos, valid, la), 1),
+            (lambda h, l, c, p, v, n: P.attention_block(h, l, c, p, v, n, cfg, False, interpret=False),
+             (h, layers[3], full, pos, valid, la), 1),
+            (lambda h, l: P.mlp_block(h, l, cfg, interpret=False), (h, layers[2]), 2),
+        ]
+        for fn, args, n_kernels in cases:
+            text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+            assert text.count("__gpu$xla.gpu.triton") == n_kernels
