@@ -132,6 +132,41 @@ def test_gemv_swiglu(kind, m):
     assert_bf16_close(out, G.ref_gemv_swiglu(x, gate, up, norm_weight=nw))
 
 
+def lower_for_gpu(monkeypatch, fn, *args) -> str:
+    """StableHLO of jit(fn) lowered for CUDA on this CPU-only machine: runs the Pallas -> Triton IR lowering (the stage
+    where a GPU run once failed while interpret mode passed), not the Triton compiler. The GPU is described as an
+    H200 (compute capability 9.0). Returns the module text; each kernel is one `__gpu$xla.gpu.triton` custom call."""
+    from jax import export
+    from jax._src.pallas.triton import gpu_info
+
+    monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
+    exp = export.export(jax.jit(fn), platforms=["cuda"],
+                        disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+    return exp.mlir_module()
+
+
+TRITON_CALL = "__gpu$xla.gpu.triton"
+QUIET_TRITON = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+
+
+@QUIET_TRITON
+@pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
+def test_every_variant_lowers_to_triton(kind, monkeypatch):
+    """All block variants (FMA rows 1/4/8, full-tile accumulator, tensor cores, one-step K loop) and all three
+    epilogues produce Triton kernels for the GPU; one kernel per call."""
+    n, k = 256, 512
+    w = make_weight(jax.random.PRNGKey(0), n, k, kind)
+    nw = jnp.ones((k,), BF16)
+    for m, blk in [(1, None), (3, None), (8, None), (1, (16, 512, 4, 3, False, True)), (8, (32, 256, 4, 3, True)),
+                   (1, (16, 512, 4, 1))]:
+        x, res = jnp.zeros((m, k), BF16), jnp.zeros((m, n), BF16)
+
+        def all_modes(x, w, nw, res):
+            return (G.gemv(x, w, norm_weight=nw, residual=res, block=blk),
+                    G.gemv_logits(x, w, norm_weight=nw, block=blk), G.gemv_swiglu(x, w, w, norm_weight=nw, block=blk))
+        assert lower_for_gpu(monkeypatch, all_modes, x, w, nw, res).count(TRITON_CALL) == 3
+
+
 def test_gemv_rejects_bad_shapes():
     w = make_weight(jax.random.PRNGKey(0), 64, 128, "bf16")
     with pytest.raises(ValueError, match="M = 1..8"):

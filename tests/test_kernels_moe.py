@@ -152,6 +152,25 @@ def test_dense_mlp_block_matches_mlp_block(kind, m):
     assert_bf16_close(run_block(kernel_block, h, layer, CFG), run_block(layers.mlp_block, h, layer, CFG))
 
 
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+@pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
+def test_blocks_lower_to_three_and_two_triton_kernels(kind, monkeypatch):
+    """Lowered for the GPU (Pallas -> Triton IR, no GPU needed; see test_kernels_gemv.lower_for_gpu): the MoE block is
+    exactly 3 Triton kernels and nothing else heavy, the dense block 2, the standalone router 2. This is the stage
+    where the BF16 expert kernels once failed on the GPU (a one-step K loop) while interpret mode passed."""
+    from test_kernels_gemv import TRITON_CALL, lower_for_gpu
+    for m in (1, 8):
+        h = hidden(m, m)
+        moe = lower_for_gpu(monkeypatch, lambda h, l: X.moe_block(h, l, CFG), h, layer_of(kind))
+        assert moe.count(TRITON_CALL) == 3
+        dense = lower_for_gpu(monkeypatch, lambda h, l: X.mlp_block(h, l, CFG), h, layer_of(kind, moe=False))
+        assert dense.count(TRITON_CALL) == 2
+    layer = layer_of(kind)
+    routed = lower_for_gpu(monkeypatch, lambda h, l: R.route(h, l.mlp.router, l.mlp.router_bias, CFG,
+                                                             norm_weight=l.mlp_norm), hidden(3, 3), layer)
+    assert routed.count(TRITON_CALL) == 2
+
+
 def test_one_compiled_kernel_serves_every_routing():
     """Expert ids are data: two inputs that route differently run through one jitted executable."""
     layer = layer_of("nvfp4")
