@@ -330,14 +330,15 @@ def section_check(run: Run, cfg: FlintConfig, tiny: bool) -> None:
             gsc = jnp.linspace(0.5, 2.0, E).astype(F32)
             g, u, d = (dataclasses.replace(nvfp4.random(k, s, 1 / math.sqrt(s[-1])), global_scale=gsc)
                        for k, s in ((key[3], (E, I, H)), (key[4], (E, I, H)), (key[5], (E, H, I))))
-        for name, fn, ref in (
-                ("grouped_swiglu", lambda: gm.grouped_swiglu(x, g, u, sizes, interpret=interpret),
-                 lambda: gm.ref_grouped_swiglu(x, g, u, sizes)),
-                ("grouped_matmul down", lambda: gm.grouped_matmul(xa, d, sizes, interpret=interpret),
-                 lambda: gm.ref_grouped_matmul(xa, d, sizes))):
+        # Arrays go in as arguments (closed-over arrays would become constants of the compiled program).
+        for name, fn, ref, args in (
+                ("grouped_swiglu", functools.partial(gm.grouped_swiglu, interpret=interpret), gm.ref_grouped_swiglu,
+                 (x, g, u, sizes)),
+                ("grouped_matmul down", functools.partial(gm.grouped_matmul, interpret=interpret),
+                 gm.ref_grouped_matmul, (xa, d, sizes))):
             what = f"{name} {kind}"
             try:
-                st = bf16_ulp_stats(jax.jit(fn)(), jax.jit(ref)())
+                st = bf16_ulp_stats(jax.jit(fn)(*args), jax.jit(ref)(*args))
                 st["ok"] = st["finite"] and st["max_ulp"] <= 2 and st["frac_differ"] <= 0.02
                 run.results["check"][what] = st
                 log(f"check {what}: {st}")
@@ -366,13 +367,13 @@ def section_check(run: Run, cfg: FlintConfig, tiny: bool) -> None:
     full = write_full(write_full(FullCache(jnp.zeros((B, KV, S, D), BF16), jnp.zeros((B, KV, S, D), BF16)),
                                  hk, hv, hpos, hval), k, v, positions, valid)
     rows_ok = np.asarray(valid)
-    for what, fn, ref in (
-            ("ring_attention", lambda: pa.ring_attention(q, k, v, q_pos, ring, sinks, W, interpret=interpret),
-             lambda: pa.ref_ring_attention(q, k, v, q_pos, ring, sinks, W)),
-            ("full_attention", lambda: pa.full_attention(q, q_pos, full, hist + n_new, sinks, interpret=interpret),
-             lambda: pa.ref_full_attention(q, q_pos, full, hist + n_new, sinks))):
+    for what, fn, ref, args in (
+            ("ring_attention", functools.partial(pa.ring_attention, window=W, interpret=interpret),
+             functools.partial(pa.ref_ring_attention, window=W), (q, k, v, q_pos, ring, sinks)),
+            ("full_attention", functools.partial(pa.full_attention, interpret=interpret), pa.ref_full_attention,
+             (q, q_pos, full, hist + n_new, sinks))):
         try:
-            got, want = jax.jit(fn)(), jax.jit(ref)()
+            got, want = jax.jit(fn)(*args), jax.jit(ref)(*args)
             st = bf16_ulp_stats(np.asarray(got, np.float32)[rows_ok].astype(jnp.bfloat16),
                                 np.asarray(want, np.float32)[rows_ok].astype(jnp.bfloat16))
             st["ok"] = st["finite"] and st["max_ulp"] <= 2 and st["frac_differ"] <= 0.05
@@ -422,7 +423,7 @@ def section_moe(run: Run, cfg: FlintConfig, tokens: int, tiny: bool, phase: str 
             return tuple(nvfp4.random(k, s, 1 / math.sqrt(s[-1]))
                          for k, s in ((ks[0], (E, I, H)), (ks[1], (E, I, H)), (ks[2], (E, H, I))))
         g, u, d = make(ks)
-        act = jax.jit(lambda: gm.ref_grouped_swiglu(x, g, u, sizes))()
+        act = jax.jit(gm.ref_grouped_swiglu)(x, g, u, sizes)
         out = res.setdefault(kind, {})
         picks = []
         for mode, w_args, xin in (("swiglu", (g, u), x), ("linear", (d,), act)):
@@ -456,8 +457,9 @@ def section_moe(run: Run, cfg: FlintConfig, tokens: int, tiny: bool, phase: str 
         # Our tiled plain-JAX reference (the whole layer's three GEMMs).
         if run.allows(10 if not tiny else 1, f"moe {kind} reference"):
             try:
-                ref = jax.jit(lambda x, sizes: gm.ref_grouped_matmul(gm.ref_grouped_swiglu(x, g, u, sizes), d, sizes))
-                first, ms = time_fn(lambda: ref(x, sizes), reps=2)
+                ref = jax.jit(lambda x, g, u, d, sizes: gm.ref_grouped_matmul(gm.ref_grouped_swiglu(x, g, u, sizes),
+                                                                               d, sizes))
+                first, ms = time_fn(lambda: ref(x, g, u, d, sizes), reps=2)
                 out["reference (tiled einsum) layer"] = {"ms": min(ms), "tflops": fl_layer / min(ms) / 1e9}
                 log(f"moe {kind} reference layer: {min(ms):.2f} ms")
             except Exception as e:  # noqa: BLE001
@@ -528,13 +530,12 @@ def section_attn(run: Run, cfg: FlintConfig, T: int, long_ctx: int, tiny: bool, 
                 break
             try:
                 if mode == "ring":
-                    fn = jax.jit(lambda: pa.ring_attention(q, k, k, positions, ring, sinks, W, block=blk,
-                                                           interpret=interpret))
+                    f = jax.jit(functools.partial(pa.ring_attention, window=W, block=blk, interpret=interpret))
+                    args = (q, k, k, positions, ring, sinks)
                 else:
-                    lens = jnp.array([S], jnp.int32)
-                    fn = jax.jit(lambda: pa.full_attention(q, positions, full, lens, sinks, block=blk,
-                                                           interpret=interpret))
-                first, ms = time_fn(fn, reps=2)
+                    f = jax.jit(functools.partial(pa.full_attention, block=blk, interpret=interpret))
+                    args = (q, positions, full, jnp.array([S], jnp.int32), sinks)
+                first, ms = time_fn(lambda: f(*args), reps=2)
                 m = min(ms)
                 res[label] = {"ms": m, "tflops": flops / m / 1e9, "compile_s": first}
                 log(f"attn ours {label}: {m:.3f} ms, {flops / m / 1e9:.1f} TFLOP/s")
@@ -547,10 +548,12 @@ def section_attn(run: Run, cfg: FlintConfig, T: int, long_ctx: int, tiny: bool, 
         if score_bytes <= 12e9 and run.allows(10, f"attn reference {mode} offset={offset}"):
             try:
                 if mode == "ring":
-                    rf = jax.jit(lambda: pa.ref_ring_attention(q, k, k, positions, ring, sinks, W))
+                    rf = jax.jit(functools.partial(pa.ref_ring_attention, window=W))
+                    args = (q, k, k, positions, ring, sinks)
                 else:
-                    rf = jax.jit(lambda: pa.ref_full_attention(q, positions, full, jnp.array([S], jnp.int32), sinks))
-                first, ms = time_fn(rf, reps=2)
+                    rf = jax.jit(pa.ref_full_attention)
+                    args = (q, positions, full, jnp.array([S], jnp.int32), sinks)
+                first, ms = time_fn(lambda: rf(*args), reps=2)
                 res[f"reference {mode} T={T} offset={offset}"] = {"ms": min(ms), "tflops": flops / min(ms) / 1e9}
                 log(f"attn reference {mode} offset={offset}: {min(ms):.2f} ms")
             except Exception as e:  # noqa: BLE001
