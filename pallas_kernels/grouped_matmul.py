@@ -113,8 +113,9 @@ def _weight_operands(w) -> tuple[str, int, int, int, tuple[jax.Array, ...]]:
     """(kind, E, N, K, operands): bf16 -> (w,); NVFP4 -> (codes uint8, scale bytes uint8, global scale f32 [E])."""
     if isinstance(w, NVFP4Weight):
         E, N, half = w.codes.shape
-        if half % (2 * GROUP) and half % GROUP:
-            raise ValueError(f"NVFP4 expert weight: K={2 * half} must be a multiple of {2 * GROUP}")
+        if half % GROUP:
+            raise ValueError(f"NVFP4 expert weight: K={2 * half} must be a multiple of {2 * GROUP} (whole scale "
+                             "groups in each half)")
         scales = jax.lax.bitcast_convert_type(w.scales, jnp.uint8)
         gs = jnp.broadcast_to(jnp.asarray(w.global_scale, F32), (E,))
         return "nvfp4", E, N, 2 * half, (w.codes, scales, gs)
