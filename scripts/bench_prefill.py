@@ -3,22 +3,25 @@
     python scripts/bench_prefill.py --check --out results/prefill --budget-s 220     # the GPU run (one H200)
     python scripts/bench_prefill.py --tiny --check --out /tmp/bench_prefill          # CPU smoke test (< 1 min)
 
-Sections, in order, each skipped (and said so) when the remaining --budget-s cannot cover it; results are written
-(JSON + Markdown) after every section, so a run cut short still leaves what it measured:
+Sections, in this order, each skipped (and said so) when the remaining --budget-s cannot cover it; results are
+written (JSON + Markdown) after every section, so a run cut short still leaves what it measured:
 
-  check   kernels vs their plain-JAX references on the GPU at moderate shapes with Flint's head and expert shapes
-  moe     one MoE layer's expert GEMMs at 8,192 tokens (49,152 (token, expert) pairs, 256 experts):
-          jax.lax.ragged_dot (default GPU lowering, and with jax_ragged_dot_use_gpu_pallas_triton_lowering),
-          jax.experimental.pallas.ops.gpu.ragged_dot_mgpu (BF16 only), our grouped kernels (BF16 and NVFP4, with a
-          small block sweep whose winners the prefill then uses), and our tiled plain-JAX reference
-  attn    the prefill attention kernels for an 8,192-token chunk (sliding ring; full at offsets 0 and ~92K) and
-          layers.attend where it fits
-  prefill per weight format (NVFP4, then BF16; the parameters are initialised on the device under jax.jit and
-          freed before the next format): an 8,192-token prompt at batch 1, one chunk and in chunks, kernels vs the
-          reference blocks (model.attention_block + the MoE with the tiled reference GEMMs; layers.mlp_block's
-          ragged_dot is measured in `moe` only: on the GPU it expands to dense matmuls over all 256 experts)
-  ttft    a 100K-token prompt in chunks of --chunk (NVFP4 first): wall time to the first token's logits, and its
-          breakdown by timing the parts separately (each part synchronised; see the Markdown notes)
+  check   (--check) kernels vs their plain-JAX references on the GPU at moderate shapes with Flint's head and
+          expert shapes
+  moe     one MoE layer's expert GEMMs at 8,192 tokens (49,152 (token, expert) pairs, 256 experts): our grouped
+          kernels (BF16 and NVFP4, the block table's defaults), our tiled plain-JAX reference, and jax's options:
+          jax.lax.ragged_dot (default GPU lowering, and with jax_ragged_dot_use_gpu_pallas_triton_lowering) and
+          jax.experimental.pallas.ops.gpu.ragged_dot_mgpu (BF16 only: one dtype for both operands)
+  prefill per weight format (NVFP4, then BF16; parameters initialised on the device, leaf by leaf under jax.jit,
+          and freed before the next format): an 8,192-token prompt at batch 1 with the kernels in one chunk (the
+          headline), then in chunks of --chunk, then the reference blocks on the one-chunk prompt
+          (model.attention_block + the MoE on the tiled reference GEMMs; layers.mlp_block's ragged_dot is measured
+          in `moe` only: on the GPU it expands to dense matmuls over all 256 experts)
+  ttft    (first format only) a 100K-token prompt in chunks of 8,192: wall time to the first token's logits, and its
+          breakdown by timing the parts separately (each part synchronised)
+  attn    the prefill attention kernels alone for one 8,192-token chunk (sliding ring; full at offsets 0 and ~92K)
+          and layers.attend where its [T, S] scores fit
+  sweeps  other block sizes for the grouped GEMMs and the attention, with whatever budget is left
 
 The layers run as a Python loop over per-layer jitted blocks (one compile per layer kind, not one 49-layer
 program), which keeps compile time inside the budget; the arithmetic is exactly flint_jax.prefill's blocks.
@@ -40,6 +43,12 @@ import traceback
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import flint_jax  # noqa: E402,F401  (XLA flags before JAX starts)
+
+try:
+    import flint_jax.pallas_kernels  # noqa: E402,F401  (installed: pyproject maps pallas_kernels/ here)
+except ImportError:  # a bare checkout: map the folder the way the package's setup does
+    import importlib
+    sys.modules["flint_jax.pallas_kernels"] = importlib.import_module("pallas_kernels")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
