@@ -34,9 +34,13 @@ from flint_jax.state import FullCache, RingCache, write_full, write_ring
 F32, BF16 = jnp.float32, jnp.bfloat16
 
 ROWS = 16  # batch rows padded to the smallest tensor-core M tile; B <= 8 rows are real
-BLOCK_N = 32  # output rows (of Wq/Wk/Wv) per program of the projection
-BLOCK_K_BF16 = 256  # input columns per step, BF16 weights
-BLOCK_K_NVFP4 = 256  # input columns per step, NVFP4 weights (128 code bytes: 128 low + 128 high nibbles)
+# Projection blocks. Not yet tuned on the GPU (docs/KERNELS.md): fewer, larger K steps because issue 4 measured
+# small-grid GEMVs to be latency-bound per loop step; 8 warps to spread the NVFP4 decode's registers.
+BLOCK_N = 32  # output rows (of Wq/Wk/Wv) per program: 160 programs for Flint
+BLOCK_K_BF16 = 512  # input columns per step, BF16 weights
+BLOCK_K_NVFP4 = 512  # input columns per step, NVFP4 weights (256 code bytes: 256 low + 256 high nibbles)
+NORM_BLOCK = 1024  # input columns per step of the RMSNorm statistics pass
+QKV_WARPS, QKV_STAGES = 8, 3
 
 
 def _params(num_warps: int = 4, num_stages: int = 3):
@@ -70,7 +74,7 @@ def _expand_scales(s: jax.Array, n: int) -> jax.Array:
 
 # ---- kernel 1: input RMSNorm + QKV projection ----------------------------------------------------------------
 
-def _qkv_kernel(h_ref, norm_ref, *refs, B, H, eps, kinds, row_blocks, col0, block_k):
+def _qkv_kernel(h_ref, norm_ref, *refs, B, H, eps, kinds, row_blocks, col0, block_k, norm_block):
     """Program j computes BLOCK_N output columns of one of Q, K, V for all B rows."""
     out_ref = refs[-1]
     wrefs = refs[:-1]
@@ -79,10 +83,10 @@ def _qkv_kernel(h_ref, norm_ref, *refs, B, H, eps, kinds, row_blocks, col0, bloc
     rmask = (rows < B)[:, None]
 
     def ss_body(i, ss):
-        x = plgpu.load(h_ref.at[pl.ds(0, ROWS), pl.ds(i * block_k, block_k)], mask=rmask, other=0).astype(F32)
+        x = plgpu.load(h_ref.at[pl.ds(0, ROWS), pl.ds(i * norm_block, norm_block)], mask=rmask, other=0).astype(F32)
         return ss + jnp.sum(x * x, axis=1)
 
-    ss = jax.lax.fori_loop(0, H // block_k, ss_body, jnp.zeros((ROWS,), F32))
+    ss = jax.lax.fori_loop(0, H // norm_block, ss_body, jnp.zeros((ROWS,), F32))
     inv_rms = jax.lax.rsqrt(ss / H + eps)[:, None]
 
     def normed(start, n):
@@ -164,11 +168,16 @@ def qkv_projection(h: jax.Array, attn_norm: jax.Array, attn, cfg: FlintConfig, i
     block_k = min(block_k, H)
     if H % block_k:
         raise ValueError(f"qkv_projection: hidden size {H} is not a multiple of {block_k}")
+    norm_block = min(NORM_BLOCK, H)
+    if H % norm_block:
+        raise ValueError(f"qkv_projection: hidden size {H} is not a multiple of {norm_block}")
     kernel = functools.partial(_qkv_kernel, B=B, H=H, eps=cfg.rms_norm_eps, kinds=tuple(kinds),
-                               row_blocks=tuple(row_blocks), col0=tuple(col0), block_k=block_k)
+                               row_blocks=tuple(row_blocks), col0=tuple(col0), block_k=block_k,
+                               norm_block=norm_block)
     out = pl.pallas_call(
         kernel, grid=(blocks,), out_shape=jax.ShapeDtypeStruct((B, (Hq + 2 * KV) * D), BF16),
-        compiler_params=_params(num_warps=4, num_stages=3), interpret=interpret, name="qkv_projection",
+        compiler_params=_params(num_warps=QKV_WARPS, num_stages=QKV_STAGES), interpret=interpret,
+        name="qkv_projection",
     )(h, attn_norm, *args)
     return out.reshape(B, Hq + 2 * KV, D)
 

@@ -48,11 +48,18 @@ MIN_CHUNK = 256  # keys per split at least: short contexts use fewer splits (few
 
 def default_splits(batch: int, kv_heads: int, sliding: bool) -> int:
     """Splits of the key range per (sequence, KV head). Sliding layers read one ring (W keys): one program each,
-    which keeps the block at three kernels. Full layers: a power of two giving ~TARGET_PROGRAMS programs."""
+    which keeps the block at three kernels (splits > 1 work on rings too, at the cost of the combine kernel).
+    Full layers: a power of two giving ~TARGET_PROGRAMS programs."""
     if sliding:
         return 1
     want = max(1, -(-TARGET_PROGRAMS // (batch * kv_heads)))
     return min(MAX_SPLITS, 1 << (want - 1).bit_length())
+
+
+def ring_chunk(n_slots: int, splits: int) -> int:
+    """Ring slots per split (static): whole BLOCK_K blocks."""
+    per_split = -(-n_slots // splits)
+    return -(-per_split // BLOCK_K) * BLOCK_K
 
 
 def split_geometry(pos, active, *, fused: bool, splits: int, min_chunk: int):
@@ -114,10 +121,11 @@ def _attn_kernel(*refs, mode, ring, sliding, B, Hq, KV, G, D, window, n_slots, s
 
     # Key range of this program. Old keys only in fused mode (the new one is already in the state).
     q_pos = jnp.where(active, pos, -1)
-    if ring:
-        lo = 0
-        n_blocks = jnp.where(active, pl.cdiv(n_slots, BLOCK_K), 0)
-        hi = n_slots
+    if ring:  # static split of the W slots; every split stores its partials
+        chunk = ring_chunk(n_slots, splits)
+        lo = s * chunk
+        n_blocks = jnp.where(active, pl.cdiv(jnp.maximum(jnp.minimum(n_slots, lo + chunk) - lo, 0), BLOCK_K), 0)
+        n_active = splits
     else:
         length, chunk, n_active = split_geometry(pos, active, fused=mode == "fused", splits=splits,
                                                  min_chunk=min_chunk)
@@ -172,9 +180,13 @@ def _attn_kernel(*refs, mode, ring, sliding, B, Hq, KV, G, D, window, n_slots, s
             plgpu.store(l_ref.at[b, heads, s], l, mask=gmask[:, 0])
 
 
-def _combine_kernel(acc_ref, m_ref, l_ref, sink_ref, pos_ref, act_ref, o_ref, *, fused, splits, min_chunk):
+def _combine_kernel(acc_ref, m_ref, l_ref, sink_ref, pos_ref, act_ref, o_ref, *, ring, fused, splits, min_chunk):
     b, h = pl.program_id(0), pl.program_id(1)
-    _, _, n_active = split_geometry(pos_ref[b], act_ref[b] != 0, fused=fused, splits=splits, min_chunk=min_chunk)
+    if ring:
+        n_active = splits
+    else:
+        _, _, n_active = split_geometry(pos_ref[b], act_ref[b] != 0, fused=fused, splits=splits,
+                                        min_chunk=min_chunk)
     live = jnp.arange(splits) < n_active
     m = plgpu.load(m_ref.at[b, h, :], mask=live, other=NEG_INF)
     l = plgpu.load(l_ref.at[b, h, :], mask=live, other=0)
@@ -188,11 +200,12 @@ def _combine_kernel(acc_ref, m_ref, l_ref, sink_ref, pos_ref, act_ref, o_ref, *,
     o_ref[b, h, :] = o.astype(BF16)
 
 
-def combine(acc, m, l, sinks, positions, active, *, fused: bool, min_chunk: int, interpret: bool = False):
+def combine(acc, m, l, sinks, positions, active, *, ring: bool, fused: bool, min_chunk: int,
+            interpret: bool = False):
     """Fold split partials (acc [B, Hq, S, D], running max m and sum l [B, Hq, S]) and the sinks -> o bf16. Only
     the splits that `split_geometry` says hold data are read."""
     B, Hq, S, D = acc.shape
-    kernel = functools.partial(_combine_kernel, fused=fused, splits=S, min_chunk=min_chunk)
+    kernel = functools.partial(_combine_kernel, ring=ring, fused=fused, splits=S, min_chunk=min_chunk)
     return pl.pallas_call(
         kernel, grid=(B, Hq), out_shape=jax.ShapeDtypeStruct((B, Hq, D), BF16),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
@@ -208,8 +221,6 @@ def _attention_call(mode, first_args, cache, positions, active, sinks, cfg, slid
     n_slots = cache.k.shape[2]
     if splits is None:
         splits = default_splits(B, KV, ring)
-    if ring and splits != 1:
-        raise ValueError("ring caches use one split")
     if splits & (splits - 1):
         raise ValueError(f"splits must be a power of two, got {splits}")
     min_chunk = MIN_CHUNK if min_chunk is None else min_chunk
@@ -238,7 +249,7 @@ def _attention_call(mode, first_args, cache, positions, active, sinks, cfg, slid
     if splits == 1:
         o, rest = outs[0], outs[1:]
     else:
-        o = combine(*outs[:3], sinks, positions, active, fused=mode == "fused", min_chunk=min_chunk,
+        o = combine(*outs[:3], sinks, positions, active, ring=ring, fused=mode == "fused", min_chunk=min_chunk,
                     interpret=interpret)
         rest = outs[3:]
     if mode != "fused":

@@ -266,6 +266,63 @@ def bench_block(cfg, peak, rows, weights, sliding, B, context, copies, reps=10):
     del layers, caches
 
 
+def bench_qkv_variant(cfg, peak, rows, weights, B, copies, bn, bk, warps, reps=10):
+    """qkv_projection alone with other block sizes (module constants, read at trace time)."""
+    old = AP.BLOCK_N, AP.BLOCK_K_BF16, AP.BLOCK_K_NVFP4, AP.QKV_WARPS
+    AP.BLOCK_N, AP.BLOCK_K_BF16, AP.BLOCK_K_NVFP4, AP.QKV_WARPS = bn, bk, bk, warps
+    try:
+        keys = jax.random.split(jax.random.key(3), copies + 1)
+        layers = [attention_weights(k, cfg, weights) for k in keys[:copies]]
+        h = jax.random.normal(keys[-1], (B, cfg.hidden_size), jnp.bfloat16)
+        f = jax.jit(lambda layers: [AP.qkv_projection(h, l.attn_norm, l.attn, cfg) for l in layers])
+        got = f(layers)[0]
+        want = AP.ref_qkv_projection(h, layers[0].attn_norm, layers[0].attn, cfg)
+        t, _ = timeit(lambda s: (f(layers), s[1]), (None, 0), reps=reps, batches=5)
+        t /= copies
+        nb = sum(x.nbytes for x in jax.tree.leaves((layers[0].attn.q, layers[0].attn.k, layers[0].attn.v)))
+        row = dict(kernel=f"qkv_projection {weights} BN={bn} BK={bk} warps={warps}", shape=f"B={B}", context=0,
+                   us=t * 1e6, GBps=nb / t / 1e9, pct_peak=100 * nb / t / peak, rel_err=rel_err(got, want)[0])
+        rows.append(row)
+        log(json.dumps(row))
+    finally:
+        AP.BLOCK_N, AP.BLOCK_K_BF16, AP.BLOCK_K_NVFP4, AP.QKV_WARPS = old
+
+
+def bench_ring_variant(cfg, peak, rows, B, copies, splits, block_k, reps=10):
+    """The fused sliding-layer attention kernel (+ combine when split) alone, over `copies` rings."""
+    old = DA.BLOCK_K
+    DA.BLOCK_K = block_k
+    try:
+        keys = jax.random.split(jax.random.key(5), 2 * copies + 1)
+        layers = [attention_weights(k, cfg, "nvfp4") for k in keys[:copies]]
+        caches = [full_ring(k, cfg, B, 4094) for k in keys[copies:2 * copies]]
+        h = jax.random.normal(keys[-1], (B, cfg.hidden_size), jnp.bfloat16)
+        pos, active = jnp.full((B,), 4095, jnp.int32), jnp.ones((B,), bool)
+        qkv = [AP.qkv_projection(h, l.attn_norm, l.attn, cfg) for l in layers]
+        f = jax.jit(lambda qkv, caches: [DA.fused_decode_attention(x, l.attn, c, pos, active, cfg, True, splits)
+                                         for x, l, c in zip(qkv, layers, caches)], donate_argnums=(1,))
+        c0 = jax.tree.map(jnp.copy, caches[0])
+        o1, _ = jax.jit(lambda x, c: DA.fused_decode_attention(x, layers[0].attn, c, pos, active, cfg, True, 1))(
+            qkv[0], c0)
+        o2, _ = jax.jit(lambda x, c: DA.fused_decode_attention(x, layers[0].attn, c, pos, active, cfg, True,
+                                                               splits))(qkv[0], jax.tree.map(jnp.copy, caches[0]))
+
+        def step(s):
+            outs = f(qkv, s[1])
+            return [o for o, _ in outs], [c for _, c in outs]
+
+        t, _ = timeit(step, (None, caches), reps=reps, batches=5)
+        t /= copies
+        nb = B * cfg.num_key_value_heads * cfg.sliding_window * cfg.head_dim * 4
+        row = dict(kernel=f"fused ring attention splits={splits} BK={block_k}", shape=f"B={B}",
+                   context=cfg.sliding_window, us=t * 1e6, GBps=nb / t / 1e9, pct_peak=100 * nb / t / peak,
+                   rel_err=rel_err(o2, o1)[0])
+        rows.append(row)
+        log(json.dumps(row))
+    finally:
+        DA.BLOCK_K = old
+
+
 def run_tests(out):
     env = dict(os.environ, FLINT_KERNELS_COMPILED="1")
     t = time.time()
@@ -349,6 +406,10 @@ def main():
                                                                   ref=False, tag=f" splits={sp}"))
             section("sweep", lambda sp=sp: bench_decode_attention(cfg, P, rows, 1, ctx["k8"], S, nf, splits=sp,
                                                                   ref=False, tag=f" splits={sp}"))
+        for bn, bk, nw in ((32, 256, 4), (16, 512, 4), (64, 512, 8), (32, 1024, 8)):
+            section("sweep", lambda bn=bn, bk=bk, nw=nw: bench_qkv_variant(cfg, P, rows, "nvfp4", 1, nr, bn, bk, nw))
+        for sp, bk in ((1, 64), (1, 128), (4, 64), (8, 64)):
+            section("sweep", lambda sp=sp, bk=bk: bench_ring_variant(cfg, P, rows, 1, nr, sp, bk))
         for bk, nw, ns in ((128, 4, 3), (64, 8, 3), (64, 4, 4)):
             def variant(bk=bk, nw=nw, ns=ns):
                 old = DA.BLOCK_K, DA.NUM_WARPS, DA.NUM_STAGES

@@ -68,11 +68,11 @@ def assert_out_close(got, ref, ulps=2):
     np.testing.assert_allclose(got, ref, rtol=0, atol=ulps * 2 ** -8 * float(np.abs(ref).max()))
 
 
-def ring_cache(key, positions, B=None):
+def ring_cache(key, positions, cfg=CFG):
     """A ring holding positions max(0, p - W + 1) .. p of each sequence (p = -1: empty), random K/V."""
-    B = len(positions)
+    B, W = len(positions), cfg.sliding_window
     kk, kv = jax.random.split(key)
-    shape = (B, CFG.num_key_value_heads, W, CFG.head_dim)
+    shape = (B, cfg.num_key_value_heads, W, cfg.head_dim)
     slots = np.arange(W)
     pos = np.full((B, W), -1, np.int32)
     for b, p in enumerate(positions):
@@ -137,13 +137,13 @@ FULL_POSITIONS = [0, 63, 64, 128, 190, 255]
 ACTIVE = jnp.array([True] * 5 + [False])
 
 
-def check_attention(cache, positions, sink, sliding, splits=None, min_chunk=None):
+def check_attention(cache, positions, sink, sliding, splits=None, min_chunk=None, cfg=CFG):
     B = len(positions)
     q = random_q(jax.random.key(7), B)
     pos = jnp.asarray(positions, jnp.int32)
-    got = attend_k(q, cache, pos, sinks_of(sink), cfg=CFG, sliding=sliding, active=ACTIVE, splits=splits,
+    got = attend_k(q, cache, pos, sinks_of(sink), cfg=cfg, sliding=sliding, active=ACTIVE, splits=splits,
                    min_chunk=min_chunk)
-    ref = attend_r(q, cache, pos, sinks_of(sink), cfg=CFG, sliding=sliding, active=ACTIVE)
+    ref = attend_r(q, cache, pos, sinks_of(sink), cfg=cfg, sliding=sliding, active=ACTIVE)
     if sink == "-inf":  # the inactive row is 0/0 in the reference too: compare the others
         got, ref = got[:-1], ref[:-1]
     else:
@@ -154,6 +154,13 @@ def check_attention(cache, positions, sink, sliding, splits=None, min_chunk=None
 @pytest.mark.parametrize("sink", list(SINKS))
 def test_decode_attention_ring(sink):
     check_attention(ring_cache(jax.random.key(4), RING_POSITIONS), RING_POSITIONS, sink, sliding=True)
+
+
+def test_decode_attention_ring_split():
+    """Rings may be split too (a ring of 100 slots in 2 splits of 64: one full, one partial block)."""
+    cfg = CFG.replace(sliding_window=100)
+    positions = [0, 63, 64, 99, 100, 370]
+    check_attention(ring_cache(jax.random.key(4), positions, cfg), positions, "0", sliding=True, splits=2, cfg=cfg)
 
 
 @pytest.mark.parametrize("splits,min_chunk", [(1, 64), (4, 64), (4, 128)])
@@ -219,7 +226,7 @@ def test_kernels_lower_to_triton_for_h200(monkeypatch):
             if weights == "nvfp4":
                 fns += [lambda c: AP.attention_prologue(h, layer.attn_norm, layer.attn, c, pos, active, CFG, sliding),
                         lambda c: DA.decode_attention(q, c, pos, layer.attn.sinks, CFG, sliding, active,
-                                                      1 if sliding else 4)]
+                                                      2 if sliding else 4)]
             for fn in fns:
                 text = jax.jit(fn).trace(cache).lower(lowering_platforms=("cuda",)).as_text()
                 assert "__gpu$xla.gpu.triton" in text
