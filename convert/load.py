@@ -17,8 +17,8 @@ import numpy as np
 from flint_jax.config import ConfigError, FlintConfig
 from flint_jax.convert import names, orbax_io, tensors
 from flint_jax.convert.errors import CheckpointError
-from flint_jax.convert.gguf_reader import GGUFCheckpoint, is_gguf
-from flint_jax.convert.hf import HFCheckpoint, is_hf_dir
+from flint_jax.convert.gguf_reader import GGUFCheckpoint
+from flint_jax.convert.hf import HFCheckpoint
 from flint_jax.convert.names import Entry
 from flint_jax.nvfp4 import NVFP4Weight
 from flint_jax.params import Params

@@ -56,7 +56,7 @@ def from_nvfp4(entry: Entry, w: NVFP4Weight) -> np.ndarray | NVFP4Weight:
     """An NVFP4 value for `entry`: kept for a linear weight, else dequantized (FP32, global scale applied) and cast."""
     if entry.linear:
         return w
-    return nvfp4.dequantize_np(w).astype(entry.dtype)
+    return cast(entry, nvfp4.dequantize_np(w))
 
 
 def to_format(entry: Entry, value, weights: str | None):
@@ -66,7 +66,7 @@ def to_format(entry: Entry, value, weights: str | None):
     if weights is None:
         return value
     if weights == "bf16":
-        return nvfp4.dequantize_np(value).astype(entry.dtype) if isinstance(value, NVFP4Weight) else value
+        return cast(entry, nvfp4.dequantize_np(value)) if isinstance(value, NVFP4Weight) else value
     if weights == "nvfp4":
         if entry.linear and not isinstance(value, NVFP4Weight):
             return nvfp4.quantize(value, global_scale="pow2")

@@ -137,13 +137,6 @@ def _row_chunks(rows: int, row_values: int):
         yield r0, min(rows, r0 + step)
 
 
-def _as_f32(x: np.ndarray) -> np.ndarray:
-    """FP32 copy of x; BF16 by moving its bits (exact, and ~50x faster than ml_dtypes' cast)."""
-    if x.dtype == jnp.bfloat16:
-        return (x.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-    return x.astype(np.float32)
-
-
 def _for_row_chunks(rows: int, row_values: int, fn) -> None:
     """fn(r0, r1) over row chunks, on a few threads (numpy releases the GIL; chunks write disjoint rows). The first
     chunk's error, in row order, is the one raised."""
@@ -284,7 +277,7 @@ def quantize_gguf_blocks(x: np.ndarray, divisor: float | np.ndarray | None = Non
     div = None if divisor is None else np.broadcast_to(np.asarray(divisor, np.float32), (rows.shape[0],))
 
     def chunk(r0: int, r1: int) -> None:
-        xb = _as_f32(rows[r0:r1]).reshape(r1 - r0, k // BLOCK, BLOCK)
+        xb = rows[r0:r1].astype(np.float32).reshape(r1 - r0, k // BLOCK, BLOCK)
         if div is not None and np.any(div[r0:r1] != 1.0):
             xb = xb / div[r0:r1, None, None]
         mag = np.abs(xb)
@@ -313,10 +306,7 @@ def pow2_global_scale(x: np.ndarray, lead_dims: int = 0) -> np.ndarray:
     amax / 6 would land in UE4M3's 3-bit subnormals) at full 4-bit scale precision. All-zero tensors get 1.0."""
     x = np.asarray(x)
     flat = x.reshape(*x.shape[:lead_dims], -1)
-    if x.dtype == jnp.bfloat16:  # |x| as bits: positive BF16 bit patterns order like their values
-        amax = _as_f32((flat.view(np.uint16) & np.uint16(0x7FFF)).max(axis=-1).view(jnp.bfloat16))
-    else:
-        amax = np.maximum(flat.max(axis=-1), -flat.min(axis=-1)).astype(np.float32)  # no |x| copy
+    amax = np.maximum(flat.max(axis=-1), -flat.min(axis=-1)).astype(np.float32)  # no |x| copy
     with np.errstate(divide="ignore"):
         e = np.floor(np.log2(amax / np.float32(6.0))) - 7
     return np.where(amax > 0, np.exp2(e), 1.0).astype(np.float32)
