@@ -17,7 +17,8 @@ With one split the kernel folds in the sink and writes o; with several it writes
 `combine` folds them and the sink together.
 
 `attention_block_decode` = qkv_projection + fused attention [+ combine] + output projection with the residual:
-three kernels on a sliding layer (four on a full layer: the combine).
+three kernels on a sliding layer (four on a full layer: the combine). `model_attention_block` is the same behind
+`model.attention_block`'s signature (T = 1), ready for `model.Blocks`.
 """
 
 from __future__ import annotations
@@ -301,6 +302,18 @@ def attention_block_decode(h: jax.Array, layer, cache, positions: jax.Array, act
     o, cache = fused_decode_attention(qkv, layer.attn, cache, positions, active, cfg, sliding, splits, min_chunk,
                                       interpret)
     return output_projection(o.reshape(B, -1), layer.attn.o, h, interpret=interpret), cache
+
+
+def model_attention_block(h, layer, cache, positions, valid, lengths_after, cfg: FlintConfig, sliding: bool,
+                          interpret: bool = False):
+    """`attention_block_decode` behind `model.attention_block`'s signature (h [B, 1, H], positions/valid [B, 1]),
+    for `model.Blocks.attention` in a decode (T = 1) step. `lengths_after` is implied by positions and valid."""
+    del lengths_after
+    if h.shape[1] != 1:
+        raise ValueError(f"model_attention_block is the decode (T = 1) path, got T = {h.shape[1]}")
+    out, cache = attention_block_decode(h[:, 0], layer, cache, positions[:, 0], valid[:, 0], cfg, sliding,
+                                        interpret=interpret)
+    return out[:, None], cache
 
 
 # ---- references ------------------------------------------------------------------------------------------------

@@ -204,6 +204,23 @@ def test_attention_block_decode_steps(weights, sliding):
         pos = pos + active.astype(jnp.int32)
 
 
+def test_model_attention_block_signature():
+    """The adapter with model.attention_block's signature equals model.attention_block for T = 1."""
+    from flint_jax.model import attention_block
+    layer = params("nvfp4").layers[0]
+    cache = ring_cache(jax.random.key(11), [W - 1, 2 * W + 3])
+    h = jax.random.normal(jax.random.key(12), (2, 1, CFG.hidden_size)).astype(jnp.bfloat16)
+    pos = jnp.array([[W], [2 * W + 4]], jnp.int32)
+    valid = jnp.ones((2, 1), bool)
+    args = (h, layer, cache, pos, valid, pos[:, 0] + 1)
+    got, got_cache = jax.jit(functools.partial(DA.model_attention_block, interpret=INTERPRET),
+                             static_argnames=("cfg", "sliding"))(*args, cfg=CFG, sliding=True)
+    ref, ref_cache = jax.jit(attention_block, static_argnames=("cfg", "sliding"))(*args, cfg=CFG, sliding=True)
+    assert got.shape == ref.shape == h.shape
+    assert_out_close(got, ref)
+    np.testing.assert_array_equal(np.asarray(got_cache.pos), np.asarray(ref_cache.pos))
+
+
 # ---- the GPU lowering, checked on the CPU ---------------------------------------------------------------------
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
