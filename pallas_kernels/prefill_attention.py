@@ -11,7 +11,9 @@ both = layers.attend(q, keys, values, layers.attention_mask(q_pos, k_pos, window
 q [B, T, Hq, D] BF16 (normed, RoPE'd), q_pos [B, T] int32 (-1 = padding row), sinks [Hq] f32 -> o [B, T, Hq, D] BF16.
 Masks come from positions: causal (k_pos <= q_pos), k_pos >= 0, and on sliding layers q_pos - k_pos < window.
 Key-loop bounds (which blocks may hold an allowed key) assume what model_step guarantees: row b's chunk
-positions are lengths[b] + t, so they only skip blocks that the mask would zero anyway.
+positions are lengths[b] + t, so they only skip blocks that the mask would zero anyway. Sliding layers read one
+key sequence, the ring's W slots followed by the chunk (concatenated by the wrapper, a copy of (W + T) x KV x D
+values): query blocks past the first W - 1 chunk tokens start at the first chunk key of their window.
 
 Grid (T / BQ, KV, B). A program takes BQ queries of the G = Hq / KV query heads that share one KV head, as
 BQ * G rows (token-major), so each K/V block is loaded once for G heads (GQA). Online softmax in FP32 that starts
@@ -78,11 +80,13 @@ def _dot(a, b):
     return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=F32)
 
 
-def _kernel(*refs, mode, G, BQ, BK, T, S, window, sqrt_d, pv_mode):
+def _kernel(*refs, mode, G, BQ, BK, T, S, W, window, sqrt_d, pv_mode):
+    """mode "ring": keys [B, KV, S, D] = the ring's W slots then the chunk's T keys, positions kpos [B, S];
+    mode "full": keys = the cache [B, KV, S, D], positions = indices below lengths[b]."""
     if mode == "ring":
-        q_ref, qpos_ref, sink_ref, rk_ref, rv_ref, rpos_ref, ck_ref, cv_ref, o_ref = refs
+        q_ref, qpos_ref, sink_ref, kpos_ref, k_ref, v_ref, o_ref = refs
     else:
-        q_ref, qpos_ref, sink_ref, len_ref, fk_ref, fv_ref, o_ref = refs
+        q_ref, qpos_ref, sink_ref, len_ref, k_ref, v_ref, o_ref = refs
     i, kv, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     D = q_ref.shape[-1]
     R = BQ * G
@@ -126,36 +130,30 @@ def _kernel(*refs, mode, G, BQ, BK, T, S, window, sqrt_d, pv_mode):
     # Start from the sink: e^(sink - m) is the denominator's first term (0 for a -inf sink).
     carry = (sink, jnp.where(sink == -jnp.inf, 0.0, 1.0).astype(F32), jnp.zeros((R, D), F32))
     if mode == "ring":
-        W = rk_ref.shape[2]  # ring slots
+        def body(j, carry):
+            s0, _, fresh = edge(j, S)
+            return step(carry, k_ref[b, kv, pl.ds(s0, BK), :], v_ref[b, kv, pl.ds(s0, BK), :],
+                        kpos_ref[b, pl.ds(s0, BK)], fresh)
 
-        def ring_body(j, carry):
-            s0, _, fresh = edge(j, W)
-            return step(carry, rk_ref[b, kv, pl.ds(s0, BK), :], rv_ref[b, kv, pl.ds(s0, BK), :],
-                        rpos_ref[b, pl.ds(s0, BK)], fresh)
-
-        # Ring keys are older than the chunk: only queries within window - 1 of its start can reach them.
-        n_ring = (t0 <= window - 2).astype(jnp.int32) * pl.cdiv(W, BK)
-        carry = jax.lax.fori_loop(0, n_ring, ring_body, carry)
-
-        def chunk_body(j, carry):
-            s0, _, fresh = edge(j, T)
-            return step(carry, ck_ref[b, pl.ds(s0, BK), kv, :], cv_ref[b, pl.ds(s0, BK), kv, :],
-                        qpos_ref[b, pl.ds(s0, BK)], fresh)
-
-        j_lo = jnp.maximum(t0 - (window - 1), 0) // BK
-        j_hi = jnp.minimum((t0 + BQ - 1) // BK + 1, pl.cdiv(T, BK))
-        carry = jax.lax.fori_loop(j_lo, j_hi, chunk_body, carry)
+        # Ring keys are older than the chunk: only queries within window - 1 of its start can reach them; later
+        # blocks start at the first chunk key inside their window. (An int32 product, not jnp.where of Python
+        # ints, which the Triton lowering turns into an i1 loop bound.)
+        past_ring = (t0 > window - 2).astype(jnp.int32)
+        key_lo = past_ring * (W + jnp.maximum(t0 - (window - 1), 0))
+        key_hi = W + jnp.minimum(t0 + BQ, T)
+        j_hi = jnp.minimum((key_hi + BK - 1) // BK, pl.cdiv(S, BK))
+        carry = jax.lax.fori_loop(key_lo // BK, j_hi, body, carry)
     else:
         length = len_ref[b]
 
-        def full_body(j, carry):
+        def body(j, carry):
             s0, idx, fresh = edge(j, S)
             kp = jnp.where(idx < length, idx, -1)
-            return step(carry, fk_ref[b, kv, pl.ds(s0, BK), :], fv_ref[b, kv, pl.ds(s0, BK), :], kp, fresh)
+            return step(carry, k_ref[b, kv, pl.ds(s0, BK), :], v_ref[b, kv, pl.ds(s0, BK), :], kp, fresh)
 
         q_max = jnp.minimum(jnp.max(qp_tok), length - 1)
         n_full = jnp.minimum((q_max + BK) // BK, pl.cdiv(S, BK))
-        carry = jax.lax.fori_loop(0, n_full, full_body, carry)
+        carry = jax.lax.fori_loop(0, n_full, body, carry)
 
     _, l, acc = carry
     o = jnp.where(l[:, None] > 0, acc / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
@@ -182,66 +180,71 @@ def _check_q(q, q_pos, sinks, KV):
     return B, T, Hq, D
 
 
-def _launch(mode, q, q_pos, sinks, key_ops, *, S, window, block, interpret):
+def _launch(mode, q, q_pos, sinks, key_ops, *, S, W, window, block, interpret):
+    """q / q_pos already padded to the kernel's T (see _padded_len)."""
     B, T, Hq, D = q.shape
-    KV = key_ops[0].shape[1] if mode == "ring" else key_ops[1].shape[1]
+    KV = key_ops[1].shape[1]
     G = Hq // KV
-    BQ = _bq(block, G)
-    BK = block.bk
-    # Extents shorter than a block are padded (padding rows/keys carry position -1 and are masked).
-    Tp = max(T, BQ, BK if mode == "ring" else 1)
-    qp = _pad_axis(q.astype(BF16), 1, Tp)
-    posp = _pad_axis(q_pos.astype(jnp.int32), 1, Tp, -1)
     pv_mode = block.pv or ("f32" if interpret else "bf16x2")
     if pv_mode not in ("f32", "bf16x2", "bf16"):
         raise ValueError(f"Block.pv must be 'f32', 'bf16x2' or 'bf16', got {pv_mode!r}")
-    kernel = functools.partial(_kernel, mode=mode, G=G, BQ=BQ, BK=BK, T=Tp, S=S, window=window,
-                               sqrt_d=math.sqrt(D), pv_mode=pv_mode)
-    operands = [qp, posp, sinks.astype(F32), *key_ops]
-    o = pl.pallas_call(
+    kernel = functools.partial(_kernel, mode=mode, G=G, BQ=_bq(block, G), BK=block.bk, T=T, S=S, W=W,
+                               window=window, sqrt_d=math.sqrt(D), pv_mode=pv_mode)
+    operands = [q, q_pos, sinks.astype(F32), *key_ops]
+    return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((B, Tp, Hq, D), BF16),
-        grid=(pl.cdiv(Tp, BQ), KV, B),
+        out_shape=jax.ShapeDtypeStruct((B, T, Hq, D), BF16),
+        grid=(pl.cdiv(T, _bq(block, G)), KV, B),
         in_specs=[pl.no_block_spec] * len(operands),
         out_specs=pl.no_block_spec,
         compiler_params=plt.CompilerParams(num_warps=block.num_warps, num_stages=block.num_stages),
         interpret=interpret,
         name=f"prefill_attention_{mode}",
     )(*operands)
-    return o[:, :T]
+
+
+def _padded_len(T: int, block: Block, G: int) -> int:
+    """Chunks shorter than one query block (or one key block) are padded; padding rows have position -1."""
+    return max(T, _bq(block, G), block.bk)
 
 
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, ring: RingCache, sinks: jax.Array,
                    window: int, *, interpret: bool = False, block: Block | None = None) -> jax.Array:
     """Sliding-layer attention of a chunk. q [B, T, Hq, D]; k, v [B, T, KV, D] the chunk's keys/values (BF16);
-    q_pos [B, T] (-1 = padding); ring: the layer's RingCache before this chunk is written. -> o [B, T, Hq, D]."""
+    q_pos [B, T] (-1 = padding); ring: the layer's RingCache before this chunk is written. -> o [B, T, Hq, D].
+    The kernel reads one key sequence, the ring's slots then the chunk's keys (an XLA concatenation of
+    (W + T) x KV x D values, as model.attention_block's), so one loop covers both."""
     B, T, Hq, D = _check_q(q, q_pos, sinks, ring.k.shape[1])
+    KV = ring.k.shape[1]
     block = block or DEFAULT_BLOCK
-    BK = block.bk
-    if k.shape != (B, T, ring.k.shape[1], D) or v.shape != k.shape:
-        raise ValueError(f"chunk k/v must be [{B}, {T}, {ring.k.shape[1]}, {D}], got {k.shape}, {v.shape}")
-    G = Hq // ring.k.shape[1]
-    Tp = max(T, _bq(block, G), BK)
-    ck = _pad_axis(k.astype(BF16), 1, Tp)
-    cv = _pad_axis(v.astype(BF16), 1, Tp)
-    rk = _pad_axis(ring.k, 2, BK)
-    rv = _pad_axis(ring.v, 2, BK)
-    rpos = _pad_axis(ring.pos, 1, BK, -1)
-    return _launch("ring", q, q_pos, sinks, [rk, rv, rpos, ck, cv], S=rk.shape[2], window=int(window),
-                   block=block, interpret=interpret)
+    if k.shape != (B, T, KV, D) or v.shape != k.shape:
+        raise ValueError(f"chunk k/v must be [{B}, {T}, {KV}, {D}], got {k.shape}, {v.shape}")
+    Tp = _padded_len(T, block, Hq // KV)
+    qp = _pad_axis(q.astype(BF16), 1, Tp)
+    posp = _pad_axis(q_pos.astype(jnp.int32), 1, Tp, -1)
+    keys = jnp.concatenate([ring.k, jnp.swapaxes(_pad_axis(k.astype(BF16), 1, Tp), 1, 2)], axis=2)
+    vals = jnp.concatenate([ring.v, jnp.swapaxes(_pad_axis(v.astype(BF16), 1, Tp), 1, 2)], axis=2)
+    kpos = jnp.concatenate([ring.pos, posp], axis=1)
+    W = ring.k.shape[2]
+    o = _launch("ring", qp, posp, sinks, [kpos, keys, vals], S=W + Tp, W=W, window=int(window), block=block,
+                interpret=interpret)
+    return o[:, :T]
 
 
 def full_attention(q: jax.Array, q_pos: jax.Array, cache: FullCache, lengths: jax.Array, sinks: jax.Array, *,
                    interpret: bool = False, block: Block | None = None) -> jax.Array:
     """Full-layer attention of a chunk against a FullCache that already holds it: keys 0 .. lengths[b] - 1.
     q [B, T, Hq, D], q_pos [B, T] (-1 = padding), lengths [B] -> o [B, T, Hq, D]."""
-    _check_q(q, q_pos, sinks, cache.k.shape[1])
+    B, T, Hq, D = _check_q(q, q_pos, sinks, cache.k.shape[1])
     block = block or DEFAULT_BLOCK
+    Tp = _padded_len(T, block, Hq // cache.k.shape[1])
     fk, fv = cache.k, cache.v
     if fk.shape[2] < block.bk:  # a cache shorter than one key block (tests): pad, masked by lengths
         fk, fv = _pad_axis(fk, 2, block.bk), _pad_axis(fv, 2, block.bk)
-    return _launch("full", q, q_pos, sinks, [lengths.astype(jnp.int32), fk, fv], S=fk.shape[2], window=None,
-                   block=block, interpret=interpret)
+    o = _launch("full", _pad_axis(q.astype(BF16), 1, Tp), _pad_axis(q_pos.astype(jnp.int32), 1, Tp, -1), sinks,
+                [lengths.astype(jnp.int32), fk, fv], S=fk.shape[2], W=0, window=None, block=block,
+                interpret=interpret)
+    return o[:, :T]
 
 
 # ---- references ---------------------------------------------------------------------------------------------------
