@@ -36,6 +36,7 @@ class Blocks(NamedTuple):
     num_stages: int
     dot: bool = False  # tensor-core path: rows padded to 16, each K tile decoded to BF16 and fed to a dot
     elementwise: bool = False  # full-tile FP32 accumulator, one reduction after the K loop (FMA path)
+    prefetch: bool = False  # load K step t+1 while computing step t (FMA path; see weight_tiles.stream_rows)
 
 
 def pick_blocks(spec: wt.WeightSpec, m: int, n_weights: int = 1) -> Blocks:
@@ -96,7 +97,7 @@ def _gemv_kernel(*refs, spec, n_weights, mp, blocks, has_norm, has_res, eps, mod
         return
     inv = [xs.inv_rms(r, spec.k) for r in range(mp)] if has_norm else None
     accs = wt.stream_rows([xs] * mp, list(range(mp)), weights, [0] * n_weights, n0, bn, bk, inv,
-                          elementwise=blocks.elementwise)
+                          elementwise=blocks.elementwise, prefetch=blocks.prefetch)
     for r in range(mp):
         o_ref[r, :] = epilogue([accs[w * mp + r] for w in range(n_weights)], res_ref[r, :] if has_res else None)
 

@@ -37,15 +37,16 @@ DOWN_BLOCK = (8, 512, 4, 1)  # (rows of H per program, ...); I = 512 is one K st
 ROUTER_BLOCK = (2, 2048, 4, 1)
 
 
-def _pick(e_or_n: int, k: int, kind: str, block) -> tuple[int, int, int, int, bool]:
-    """(bn, bk, num_warps, num_stages[, elementwise]) fitted to the shape."""
+def _pick(e_or_n: int, k: int, kind: str, block) -> tuple[int, int, int, int, bool, bool]:
+    """(bn, bk, num_warps, num_stages[, elementwise[, prefetch]]) fitted to the shape."""
     bn, bk, warps, stages, *rest = block
+    rest = list(rest) + [False, False]
     spec = wt.WeightSpec(kind, 1, e_or_n, k)
-    return wt.largest_pow2_divisor(e_or_n, bn), wt.k_tile(spec, bk), warps, stages, bool(rest and rest[0])
+    return (wt.largest_pow2_divisor(e_or_n, bn), wt.k_tile(spec, bk), warps, stages, bool(rest[0]), bool(rest[1]))
 
 
 def _gate_up_kernel(logits_ref, bias_ref, x_ref, *refs, m, k, g_spec, s_spec, has_shared, bn, bk, norm, scaling,
-                    elementwise):
+                    elementwise, prefetch):
     refs = list(refs)
     o_ref = refs.pop()
     ng, ns = g_spec.num_operands, (s_spec.num_operands if has_shared else 0)
@@ -57,7 +58,7 @@ def _gate_up_kernel(logits_ref, bias_ref, x_ref, *refs, m, k, g_spec, s_spec, ha
 
     def run(spec, g_refs, u_refs, t, e):
         acc_g, acc_u = wt.stream_rows([xs], [t], [(spec, g_refs), (spec, u_refs)], [e, e], n0, bn, bk,
-                                      elementwise=elementwise)
+                                      elementwise=elementwise, prefetch=prefetch)
         g = wt.apply_global_scale(acc_g, wt.global_scale(spec, g_refs, e)).astype(BF16)
         u = wt.apply_global_scale(acc_u, wt.global_scale(spec, u_refs, e)).astype(BF16)
         o_ref[0, :] = gemv_mod.swiglu_f32(g, u)
@@ -96,11 +97,11 @@ def expert_gate_up(b: jax.Array, logits: jax.Array, moe, cfg: FlintConfig, *, in
         if (s_spec.kind, s_spec.n) != (g_spec.kind, g_spec.n):
             raise NotImplementedError("the shared expert must have the routed experts' kind and intermediate size")
         operands += [*sg_ops, *su_ops]
-    bn, bk, warps, stages, ew = _pick(g_spec.n, hidden, g_spec.kind, block or GATE_UP_BLOCK)
+    bn, bk, warps, stages, ew, pf = _pick(g_spec.n, hidden, g_spec.kind, block or GATE_UP_BLOCK)
     pairs = m * (k + int(has_shared))
     kernel = functools.partial(_gate_up_kernel, m=m, k=k, g_spec=g_spec, s_spec=s_spec, has_shared=has_shared,
                                bn=bn, bk=bk, norm=bool(cfg.norm_topk_prob), scaling=float(cfg.routed_scaling_factor),
-                               elementwise=ew)
+                               elementwise=ew, prefetch=pf)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((pairs, g_spec.n), BF16),
@@ -156,7 +157,7 @@ def expert_down(act: jax.Array, logits: jax.Array, moe, cfg: FlintConfig, residu
         if (s_spec.kind, s_spec.k) != (d_spec.kind, d_spec.k):
             raise NotImplementedError("the shared expert must have the routed experts' kind and intermediate size")
         operands += list(sd_ops)
-    bn, bk, warps, stages, _ = _pick(hidden, d_spec.k, d_spec.kind, block or DOWN_BLOCK)
+    bn, bk, warps, stages, _, _ = _pick(hidden, d_spec.k, d_spec.kind, block or DOWN_BLOCK)
     in_specs = [pl.no_block_spec] * len(operands) + [pl.BlockSpec((1, bn), lambda t, j: (t, j))]
     operands.append(residual.astype(BF16))
     kernel = functools.partial(_down_kernel, m=m, k=k, d_spec=d_spec, s_spec=s_spec, has_shared=has_shared,

@@ -5,8 +5,10 @@ Operands (`weight_operands`), always with a leading expert axis (1 for a plain l
 
     bf16   w       bf16  [E, N, K]
     nvfp4  codes   uint8 [E, N, K/32, 16]   the planar-halves bytes of flint_jax.nvfp4, 16 per row of the last axis
-           scales  uint8 [E, N, K/16]       the E4M3 bits (bitcast_convert in the wrapper: the form measured on
-                                            the GPU; decode_scales also takes the float8 tile, for an in-kernel cast)
+           scales  fp8   [E, N, K/16]       the E4M3 scales as stored; the kernel bit-casts each tile to bytes.
+                                            (An XLA bitcast_convert in the wrapper is not free: XLA emits it as a
+                                            copy fusion, i.e. a full read + write of the scales per call, which
+                                            for a stacked expert weight is the whole [E, N, K/16] array.)
            gscale  f32   [E]
 
 Both reshapes are free views in XLA. A K tile of G scale groups reads codes[e, n0:n0+BN, g0:g0+G, :] once: the low
@@ -70,7 +72,6 @@ def weight_operands(w, stacked: bool = False) -> tuple[WeightSpec, tuple[jax.Arr
         if k % (2 * GROUP):
             raise ValueError(f"NVFP4 weight: K={k} must be a multiple of {2 * GROUP}")
         codes = codes.reshape(e, n, half // GROUP, GROUP)
-        scales = jax.lax.bitcast_convert_type(scales, jnp.uint8)
         return WeightSpec("nvfp4", e, n, k), (codes, scales, gs.reshape(e))
     w = jnp.asarray(w)
     if w.dtype != BF16:
@@ -203,86 +204,114 @@ class XSource:
     def _raw(self, row, t, bk, half):
         return self._slice(self.ref, row, t, bk, half)
 
-    def tile(self, row, t, bk, half, inv) -> jax.Array:
-        """The f32 activations of tile t (NVFP4: half 0 = low nibbles' values, 1 = high)."""
-        xt = self._raw(row, t, bk, half)
-        if self.norm_ref is None:
+    def load(self, row, t, bk, half):
+        """The raw tile t (and its norm-weight tile): issue the loads, no arithmetic (see stream_rows' prefetch)."""
+        nw = None if self.norm_ref is None else self._slice(self.norm_ref, None, t, bk, half)
+        return self._raw(row, t, bk, half), nw
+
+    def finish(self, raw, row, inv) -> jax.Array:
+        """f32 activations from a loaded tile: cast, or RMS-normalise with the row's inv_rms."""
+        xt, nw = raw
+        if nw is None:
             return xt.astype(F32)
-        nw = self._slice(self.norm_ref, None, t, bk, half)
         if isinstance(row, slice):  # all rows: inv is [R], broadcast over the tile's other axes
             inv = inv.reshape(inv.shape + (1,) * (xt.ndim - 1))
             nw = nw[None]
         normed = (xt.astype(F32) * inv).astype(BF16).astype(F32)
         return (nw.astype(F32) * normed).astype(BF16).astype(F32)
 
+    def tile(self, row, t, bk, half, inv) -> jax.Array:
+        """The f32 activations of tile t (NVFP4: half 0 = low nibbles' values, 1 = high)."""
+        return self.finish(self.load(row, t, bk, half), row, inv)
+
 
 def stream_rows(xs: Sequence[XSource], rows: Sequence, weights: Sequence[tuple[WeightSpec, Sequence]],
                 experts: Sequence, n0, bn: int, bk: int, inv: Sequence | None = None,
-                pairs: Sequence[tuple[int, int]] | None = None, elementwise: bool = False) -> list[jax.Array]:
+                pairs: Sequence[tuple[int, int]] | None = None, elementwise: bool = False,
+                prefetch: bool = False) -> list[jax.Array]:
     """FP32 accumulators `x_r @ W_w[e_w, n0:n0+bn, :].T` (without the global scale), one per (w, r) in `pairs`
     (default: every weight with every row, weight-major).
 
     xs[r] / rows[r]: where row r's activations come from; weights[w] = (spec, refs), experts[w] the expert index
     (a traced scalar: expert ids are data). One loop over K streams every weight once and reuses each decoded tile
     for all rows that pair with it. A single-step loop is emitted as straight-line code so that the loads of all
-    weights can be in flight together. `elementwise`: keep a full-tile accumulator and reduce once after the
-    loop (no cross-lane reduction inside the loop, more registers; for M <= 2). Returns f32 [bn] per pair."""
+    weights can be in flight together.
+    `elementwise`: keep a full-tile accumulator and reduce once after the loop (no cross-lane reduction, with its
+    shared-memory round trip and barrier, inside the loop; more registers; for M <= 2).
+    `prefetch`: load step t+1's tiles before computing step t (a register double buffer carried by the loop):
+    Triton's num_stages pipelining only applies to loads that feed a dot, so without this every step waits for its
+    own loads. Returns f32 [bn] per pair."""
     spec0 = weights[0][0]
     for spec, _ in weights:
         if (spec.kind, spec.k) != (spec0.kind, spec0.k):
             raise NotImplementedError("one kernel streams weights of one kind and one K")
     k = spec0.k
+    steps = k // bk
     nr = len(rows)
     if pairs is None:
         pairs = [(w, r) for w in range(len(weights)) for r in range(nr)]
     used_rows = sorted({r for _, r in pairs})
+    used_weights = sorted({w for w, _ in pairs})
     inv = list(inv) if inv is not None else [None] * nr
     nvfp4_kind = spec0.kind == "nvfp4"
     g = bk // 2 // GROUP
     half_groups = k // 2 // GROUP
+    halves = (0, 1) if nvfp4_kind else (0,)
     if nvfp4_kind:
         shape = (bn, g, GROUP) if elementwise else (bn, g)
     else:
         shape = (bn, bk) if elementwise else (bn,)
     init = tuple(jnp.zeros(shape, F32) for _ in pairs)
 
-    def body(t, accs):
+    def load(t):
+        xr = tuple(tuple(xs[r].load(rows[r], t, bk, h) for h in halves) for r in used_rows)
+        wr = []
+        for wi in used_weights:
+            (spec, refs), e = weights[wi], experts[wi]
+            if nvfp4_kind:
+                codes, scales, _ = refs
+                g0 = t * g
+                wr.append((codes[e, pl.ds(n0, bn), pl.ds(g0, g), :], scales[e, pl.ds(n0, bn), pl.ds(g0, g)],
+                           scales[e, pl.ds(n0, bn), pl.ds(half_groups + g0, g)]))
+            else:
+                wr.append((refs[0][e, pl.ds(n0, bn), pl.ds(k_start(t, bk), bk)],))
+        return xr, tuple(wr)
+
+    def compute(raw, accs):
+        xr, wr = raw
         accs = list(accs)
-        if nvfp4_kind:
-            xl = {r: xs[r].tile(rows[r], t, bk, 0, inv[r]) for r in used_rows}
-            xh = {r: xs[r].tile(rows[r], t, bk, 1, inv[r]) for r in used_rows}
-            g0 = t * g
-            for wi, ((spec, (codes, scales, _)), e) in enumerate(zip(weights, experts)):
-                mine = [(i, r) for i, (w, r) in enumerate(pairs) if w == wi]
-                if not mine:
-                    continue
-                cb = codes[e, pl.ds(n0, bn), pl.ds(g0, g), :].astype(jnp.int32)  # [bn, g, 16]
-                s_lo = decode_scales(scales[e, pl.ds(n0, bn), pl.ds(g0, g)])
-                s_hi = decode_scales(scales[e, pl.ds(n0, bn), pl.ds(half_groups + g0, g)])
-                w_lo, w_hi = decode_codes(cb)
+        x = {r: [xs[r].finish(xr[i][h], rows[r], inv[r]) for h in halves] for i, r in enumerate(used_rows)}
+        for wj, wi in enumerate(used_weights):
+            mine = [(i, r) for i, (w, r) in enumerate(pairs) if w == wi]
+            if nvfp4_kind:
+                cb, sl, sh = wr[wj]
+                s_lo, s_hi = decode_scales(sl), decode_scales(sh)
+                w_lo, w_hi = decode_codes(cb.astype(jnp.int32))  # [bn, g, 16] each
                 if elementwise:
                     w_lo = w_lo * s_lo[:, :, None]
                     w_hi = w_hi * s_hi[:, :, None]
                 for i, r in mine:
+                    xl, xh = x[r]
                     if elementwise:
-                        accs[i] = accs[i] + w_lo * xl[r][None] + w_hi * xh[r][None]
+                        accs[i] = accs[i] + w_lo * xl[None] + w_hi * xh[None]
                     else:
-                        accs[i] = accs[i] + (jnp.sum(w_lo * xl[r][None], axis=2) * s_lo
-                                             + jnp.sum(w_hi * xh[r][None], axis=2) * s_hi)
-        else:
-            xt = {r: xs[r].tile(rows[r], t, bk, 0, inv[r]) for r in used_rows}
-            k0 = k_start(t, bk)
-            for wi, ((spec, (w,)), e) in enumerate(zip(weights, experts)):
-                mine = [(i, r) for i, (ww, r) in enumerate(pairs) if ww == wi]
-                if not mine:
-                    continue
-                wtile = w[e, pl.ds(n0, bn), pl.ds(k0, bk)].astype(F32)  # [bn, bk]
+                        accs[i] = accs[i] + (jnp.sum(w_lo * xl[None], axis=2) * s_lo
+                                             + jnp.sum(w_hi * xh[None], axis=2) * s_hi)
+            else:
+                wtile = wr[wj][0].astype(F32)  # [bn, bk]
                 for i, r in mine:
-                    prod = wtile * xt[r][None]
+                    prod = wtile * x[r][0][None]
                     accs[i] = accs[i] + (prod if elementwise else jnp.sum(prod, axis=1))
         return tuple(accs)
 
-    accs = k_loop(k // bk, body, init)
+    if prefetch and steps > 1:
+        def body(t, carry):
+            accs, cur = carry
+            nxt = load(jnp.minimum(t + 1, steps - 1))  # the last step reloads its own tiles: harmless, in bounds
+            return compute(cur, accs), nxt
+        accs, _ = jax.lax.fori_loop(0, steps, body, (init, load(0)))
+    else:
+        accs = k_loop(steps, lambda t, a: compute(load(t), a), init)
     out = []
     for a in accs:
         while a.ndim > 1:

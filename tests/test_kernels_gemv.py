@@ -89,6 +89,7 @@ def test_gemv_plain_and_blocks(kind):
     assert_bf16_close(G.gemv(x, w, interpret=INTERPRET), ref)
     assert_bf16_close(G.gemv(x, w, interpret=INTERPRET, block=(64, 64, 4, 2)), ref)
     assert_bf16_close(G.gemv(x, w, interpret=INTERPRET, block=(16, 128, 4, 2, False, True)), ref)  # elementwise
+    assert_bf16_close(G.gemv(x, w, interpret=INTERPRET, block=(16, 64, 4, 2, False, False, True)), ref)  # prefetch
 
 
 @pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
@@ -158,7 +159,7 @@ def test_every_variant_lowers_to_triton(kind, monkeypatch):
     w = make_weight(jax.random.PRNGKey(0), n, k, kind)
     nw = jnp.ones((k,), BF16)
     for m, blk in [(1, None), (3, None), (8, None), (1, (16, 512, 4, 3, False, True)), (8, (32, 256, 4, 3, True)),
-                   (1, (16, 512, 4, 1))]:
+                   (1, (16, 512, 4, 1)), (2, (8, 256, 4, 1, False, True, True))]:
         x, res = jnp.zeros((m, k), BF16), jnp.zeros((m, n), BF16)
 
         def all_modes(x, w, nw, res):
