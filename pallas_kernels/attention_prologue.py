@@ -258,7 +258,7 @@ def _finish_kernel(qkv_ref, qn_ref, kn_ref, invf_ref, pos_ref, act_ref, *refs, H
         store_kv(k1, k2, v, k_out, v_out, pos_out, b, kv, p, ring=ring, window=window)
 
 
-def check_cache(cache, cfg: FlintConfig, B: int, sliding: bool) -> None:
+def check_cache(cache, cfg: FlintConfig, B: int, sliding: bool, interpret: bool = False) -> None:
     KV, D = cfg.num_key_value_heads, cfg.head_dim
     if sliding != isinstance(cache, RingCache):
         raise ValueError(f"sliding={sliding} but the cache is a {type(cache).__name__}")
@@ -266,8 +266,10 @@ def check_cache(cache, cfg: FlintConfig, B: int, sliding: bool) -> None:
         raise ValueError(f"cache k/v shape {cache.k.shape}/{cache.v.shape} does not fit batch {B}, KV {KV}, D {D}")
     if sliding and cache.k.shape[2] != cfg.sliding_window:
         raise ValueError(f"ring has {cache.k.shape[2]} slots, sliding_window is {cfg.sliding_window}")
-    if D % 2 or (D // 2) & (D // 2 - 1) or D // 2 < 16:
-        raise ValueError(f"head_dim {D}: D/2 must be a power of two >= 16 (Triton tiles)")
+    if D % 2:
+        raise ValueError(f"head_dim {D} must be even")
+    if not interpret and ((D // 2) & (D // 2 - 1) or D // 2 < 16):  # interpret mode takes any even D
+        raise ValueError(f"head_dim {D}: D/2 must be a power of two >= 16 (Triton tiles and tensor-core dots)")
     if cfg.q_per_kv > ROWS:
         raise ValueError(f"{cfg.q_per_kv} query heads per KV head; at most {ROWS} supported")
 
@@ -278,7 +280,7 @@ def finish_and_write(qkv: jax.Array, attn, cache, positions: jax.Array, active: 
     `positions` where `active`)."""
     B = qkv.shape[0]
     Hq, KV, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    check_cache(cache, cfg, B, sliding)
+    check_cache(cache, cfg, B, sliding, interpret)
     ring = isinstance(cache, RingCache)
     kernel = functools.partial(_finish_kernel, Hq=Hq, KV=KV, G=cfg.q_per_kv, D=D, eps=cfg.rms_norm_eps,
                                sliding=sliding, ring=ring, window=cache.k.shape[2])

@@ -217,7 +217,7 @@ def combine(acc, m, l, sinks, positions, active, *, ring: bool, fused: bool, min
 def _attention_call(mode, first_args, cache, positions, active, sinks, cfg, sliding, splits, min_chunk, interpret):
     B = positions.shape[0]
     Hq, KV, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    check_cache(cache, cfg, B, sliding)
+    check_cache(cache, cfg, B, sliding, interpret)
     ring = isinstance(cache, RingCache)
     n_slots = cache.k.shape[2]
     if splits is None:
