@@ -10,6 +10,7 @@ On a CPU backend the kernels run in Pallas interpret mode (how CI tests them); o
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 
@@ -17,9 +18,32 @@ import jax
 
 from flint_jax import layers as L
 
+_interpret_override: bool | None = None
+
 
 def _interpret() -> bool:
+    if _interpret_override is not None:
+        return _interpret_override
     return jax.default_backend() != "gpu"
+
+
+@contextlib.contextmanager
+def lowering_for_gpu():
+    """Trace the kernels as compiled GPU kernels even on a CPU host: for exporting or inspecting the GPU program
+    (e.g. counting its kernels) where no GPU is attached."""
+    global _interpret_override
+    saved, _interpret_override = _interpret_override, False
+    # Without a GPU attached, Pallas' Triton lowering asks for a device description; describe an H200 (private API,
+    # used only by this inspection helper).
+    from jax._src.pallas.triton import gpu_info, pallas_call_registration as reg
+    saved_info = reg.gpu_info_lib.get_gpu_info
+    if jax.default_backend() != "gpu":
+        reg.gpu_info_lib.get_gpu_info = lambda: gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200)
+    try:
+        yield
+    finally:
+        _interpret_override = saved
+        reg.gpu_info_lib.get_gpu_info = saved_info
 
 
 def _optional(module: str, name: str):
@@ -61,4 +85,7 @@ def blocks(T: int):
     if T == 1:
         return Blocks(attention=_decode_attention if k["decode_attention"] else attention_block,
                       mlp=_decode_mlp if k["decode_mlp"] else L.mlp_block)
-    return Blocks(attention=k["prefill_attention"] or attention_block, mlp=k["prefill_mlp"] or L.mlp_block)
+    attention = (functools.partial(k["prefill_attention"], interpret=_interpret()) if k["prefill_attention"]
+                 else attention_block)
+    mlp = functools.partial(k["prefill_mlp"], interpret=_interpret()) if k["prefill_mlp"] else L.mlp_block
+    return Blocks(attention=attention, mlp=mlp)
