@@ -9,9 +9,7 @@ written (JSON + Markdown) after every section, so a run cut short still leaves w
   check   (--check) kernels vs their plain-JAX references on the GPU at moderate shapes with Flint's head and
           expert shapes
   moe     one MoE layer's expert GEMMs at 8,192 tokens (49,152 (token, expert) pairs, 256 experts): our grouped
-          kernels (BF16 and NVFP4, the block table's defaults), our tiled plain-JAX reference, and jax's options:
-          jax.lax.ragged_dot (default GPU lowering, and with jax_ragged_dot_use_gpu_pallas_triton_lowering) and
-          jax.experimental.pallas.ops.gpu.ragged_dot_mgpu (BF16 only: one dtype for both operands)
+          kernels (BF16 and NVFP4, the block table's defaults) and our tiled plain-JAX reference
   prefill per weight format (NVFP4, then BF16; parameters initialised on the device, leaf by leaf under jax.jit,
           and freed before the next format): an 8,192-token prompt at batch 1 with the kernels in one chunk (the
           headline), then in chunks of --chunk, then the reference blocks on the one-chunk prompt
@@ -19,6 +17,9 @@ written (JSON + Markdown) after every section, so a run cut short still leaves w
           in `moe` only: on the GPU it expands to dense matmuls over all 256 experts)
   ttft    (first format only) a 100K-token prompt in chunks of 8,192: wall time to the first token's logits, and its
           breakdown by timing the parts separately (each part synchronised)
+  moe/jax jax's options on the same layer (BF16, gate projection): jax.lax.ragged_dot (default GPU lowering, and
+          with jax_ragged_dot_use_gpu_pallas_triton_lowering) and jax.experimental.pallas.ops.gpu.ragged_dot_mgpu
+          (BF16 only: it takes one dtype for both operands)
   attn    the prefill attention kernels alone for one 8,192-token chunk (sliding ring; full at offsets 0 and ~92K)
           and layers.attend where its [T, S] scores fit
   sweeps  other block sizes for the grouped GEMMs and the attention, with whatever budget is left
@@ -408,8 +409,9 @@ def moe_inputs(cfg: FlintConfig, tokens: int):
 
 
 def section_moe(run: Run, cfg: FlintConfig, tokens: int, tiny: bool, phase: str = "main") -> None:
-    """Expert GEMMs of one MoE layer. phase "main": our kernels with the table's blocks, our reference and jax's
-    options; "sweep": the other block candidates (the best per kernel is reported)."""
+    """Expert GEMMs of one MoE layer. phase "main": our kernels with the table's blocks and our reference; "jax":
+    jax's options (BF16; run after the model's headline numbers: ragged_dot_mgpu unrolls its 256 groups, and a
+    long compile must not eat their budget); "sweep": the other block candidates (the best per kernel is reported)."""
     E, I, H = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
     K = cfg.num_experts_per_tok
     x, sizes = jax.jit(moe_inputs, static_argnums=(0, 1))(cfg, tokens)
@@ -420,6 +422,8 @@ def section_moe(run: Run, cfg: FlintConfig, tokens: int, tiny: bool, phase: str 
     fl_layer = 3 * fl_gate
     interpret = jax.default_backend() == "cpu"
     for kind in ("nvfp4", "bf16") if not tiny else ("nvfp4",):
+        if phase == "jax" and (kind != "bf16" or tiny):
+            continue
         if not run.allows(15 if not tiny else 2, f"moe {kind} {phase}"):
             break
         ks = jax.random.split(jax.random.key(22), 3)
@@ -432,12 +436,13 @@ def section_moe(run: Run, cfg: FlintConfig, tokens: int, tiny: bool, phase: str 
             return tuple(nvfp4.random(k, s, 1 / math.sqrt(s[-1]))
                          for k, s in ((ks[0], (E, I, H)), (ks[1], (E, I, H)), (ks[2], (E, H, I))))
         g, u, d = make(ks)
-        act = jax.jit(gm.ref_grouped_swiglu)(x, g, u, sizes)
+        act = jax.jit(gm.ref_grouped_swiglu)(x, g, u, sizes) if phase != "jax" else None
         out = res.setdefault(kind, {})
         picks = []
         for mode, w_args, xin in (("swiglu", (g, u), x), ("linear", (d,), act)):
             default = gm.default_block(kind, mode)
-            cands = [default] if phase == "main" else [b for b in GM_SWEEP[(kind, mode)] if b != default]
+            cands = {"main": [default], "jax": [],
+                     "sweep": [b for b in GM_SWEEP[(kind, mode)] if b != default]}[phase]
             for blk in cands:
                 if not run.allows(4 if not tiny else 1, f"moe {kind} {mode} {blk}"):
                     break
@@ -459,12 +464,12 @@ def section_moe(run: Run, cfg: FlintConfig, tokens: int, tiny: bool, phase: str 
             total = sum(p["ms"] for p in picks)
             out["ours layer (best blocks so far)"] = {"ms": total, "tflops": fl_layer / total / 1e9,
                                                       "blocks": [p["block"] for p in picks]}
-        if phase != "main":
+        if phase == "sweep":
             del g, u, d, act
             run.save()
             continue
         # Our tiled plain-JAX reference (the whole layer's three GEMMs).
-        if run.allows(10 if not tiny else 1, f"moe {kind} reference"):
+        if phase == "main" and run.allows(10 if not tiny else 1, f"moe {kind} reference"):
             try:
                 ref = jax.jit(lambda x, g, u, d, sizes: gm.ref_grouped_matmul(gm.ref_grouped_swiglu(x, g, u, sizes),
                                                                                d, sizes))
@@ -474,7 +479,7 @@ def section_moe(run: Run, cfg: FlintConfig, tokens: int, tiny: bool, phase: str 
             except Exception as e:  # noqa: BLE001
                 run.error(f"moe {kind} reference", e)
         # jax's options, on one gate projection (BF16 only: they take one dtype for both operands).
-        if kind == "bf16" and not tiny:
+        if phase == "jax":
             rhs = jnp.swapaxes(g, 1, 2)  # [E, H, I]
             for label, flag in (("lax.ragged_dot (default GPU lowering)", False),
                                 ("lax.ragged_dot (pallas triton lowering flag)", True)):
@@ -775,6 +780,11 @@ def main(argv=None) -> int:
                 section_prefill(run, cfg, kind, params, tokens, chunk, tiny, reserve, which="extras")
             del params
             jax.clear_caches()
+        if "moe" not in skip and not tiny:
+            try:
+                section_moe(run, cfg, N, tiny, "jax")
+            except Exception as e:  # noqa: BLE001
+                run.error("moe jax options", e)
         if "attn" not in skip:
             try:
                 section_attn(run, cfg, min(N, long_chunk), long_n, tiny, "main")
