@@ -556,6 +556,7 @@ def section_attn(run: Run, cfg: FlintConfig, T: int, long_ctx: int, tiny: bool, 
             except Exception as e:  # noqa: BLE001
                 run.error(f"attn {label}", e)
         if phase != "main":
+            run.save()
             continue
         # The reference where its [T, S] scores fit comfortably (up to ~12 GB of FP32 scores).
         score_bytes = 4 * Hq * T * (S + (W if mode == "ring" else 0))
