@@ -45,6 +45,10 @@ NUM_WARPS, NUM_STAGES = 4, 3
 TARGET_PROGRAMS = 264  # full layers: enough (b, kv, split) programs for 2 waves over the H200's 132 SMs
 MAX_SPLITS = 128
 MIN_CHUNK = 256  # keys per split at least: short contexts use fewer splits (fewer partials written and combined)
+# Experimental, off: fold the split partials inside the attention kernel, in the program that arrives last at a
+# per-(sequence, KV head) atomic counter, instead of launching `combine` (one launch fewer per full layer). Checked
+# in interpret mode only (which cannot show memory-ordering races): measure and verify on the GPU before enabling.
+COMBINE_IN_KERNEL = False
 
 
 def default_splits(batch: int, kv_heads: int, sliding: bool) -> int:
@@ -76,8 +80,10 @@ def split_geometry(pos, active, *, fused: bool, splits: int, min_chunk: int):
 
 
 def _attn_kernel(*refs, mode, ring, sliding, B, Hq, KV, G, D, window, n_slots, splits, min_chunk, eps,
-                 num_refs_in):
+                 num_refs_in, combine_here, compiled):
     ins, outs = refs[:num_refs_in], refs[num_refs_in:]
+    if combine_here:
+        ins = ins[:-1]  # the arrival counters' input; the kernel uses the aliased output
     dh = D // 2
     b, kv, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     gmask = (jnp.arange(ROWS) < G)[:, None]
@@ -172,13 +178,38 @@ def _attn_kernel(*refs, mode, ring, sliding, B, Hq, KV, G, D, window, n_slots, s
         o = acc * (w / denom)[:, None]
         plgpu.store(o_ref.at[b, heads, :], o.astype(BF16), mask=gmask)
     else:
-        acc_ref, m_ref, l_ref = outs[0], outs[1], outs[2]
+        acc_ref, m_ref, l_ref = outs[1:4] if combine_here else outs[:3]
 
         @pl.when(s < n_active)  # splits past the data write nothing; combine does not read them
         def _():
             plgpu.store(acc_ref.at[b, heads, s, :], acc, mask=gmask)
             plgpu.store(m_ref.at[b, heads, s], m, mask=gmask[:, 0])
             plgpu.store(l_ref.at[b, heads, s], l, mask=gmask[:, 0])
+
+        if combine_here:
+            o_ref, cnt_ref = outs[0], outs[4]
+            if compiled:
+                plgpu.debug_barrier()  # every thread's partial stores precede the release of the atomic
+            ticket = plgpu.atomic_add(cnt_ref, (b, kv), jnp.ones((), jnp.int32))
+
+            @pl.when(ticket == splits - 1)  # the last of this (sequence, KV head)'s splits folds them all
+            def _():
+                sink = plgpu.load(sink_ref.at[heads], mask=gmask[:, 0], other=0).astype(F32)
+                # Volatile loads: the partials were written by other SMs during this launch (not via L1).
+                live = gmask & (jnp.arange(splits) < n_active)[None, :]
+                mm = plgpu.load(m_ref.at[b, heads, :], mask=live, other=NEG_INF, volatile=True)
+                ll = plgpu.load(l_ref.at[b, heads, :], mask=live, other=0, volatile=True)
+                big = jnp.maximum(jnp.max(mm, axis=1), sink)
+                big = jnp.where(jnp.isfinite(big), big, 0.0)
+                denom = jnp.sum(ll * jnp.exp(mm - big[:, None]), axis=1) + jnp.exp(sink - big)
+
+                def fold(i, o):
+                    a = plgpu.load(acc_ref.at[b, heads, i, :], mask=gmask, other=0, volatile=True)
+                    mi = plgpu.load(m_ref.at[b, heads, i], mask=gmask[:, 0], other=NEG_INF, volatile=True)
+                    return o + a * jnp.exp(mi - big)[:, None]
+
+                o = jax.lax.fori_loop(0, n_active, fold, jnp.zeros((ROWS, D), F32))
+                plgpu.store(o_ref.at[b, heads, :], (o / denom[:, None]).astype(BF16), mask=gmask)
 
 
 def _combine_kernel(acc_ref, m_ref, l_ref, sink_ref, pos_ref, act_ref, o_ref, *, ring, fused, splits, min_chunk):
@@ -229,19 +260,28 @@ def _attention_call(mode, first_args, cache, positions, active, sinks, cfg, slid
         raise ValueError(f"min_chunk must be a multiple of BLOCK_K={BLOCK_K}, got {min_chunk}")
     cache_in = [cache.k, cache.v] + ([cache.pos] if ring else [])
     args = [*first_args, positions.astype(jnp.int32), active.astype(jnp.int32), sinks.astype(F32), *cache_in]
+    combine_here = splits > 1 and COMBINE_IN_KERNEL
+    partials = [jax.ShapeDtypeStruct((B, Hq, splits, D), F32), jax.ShapeDtypeStruct((B, Hq, splits), F32),
+                jax.ShapeDtypeStruct((B, Hq, splits), F32)]
+    aliases = {}
     if splits == 1:
         out_shape = [jax.ShapeDtypeStruct((B, Hq, D), BF16)]
+    elif combine_here:
+        # o, the partials (scratch), and the arrival counters (zeros in, aliased out so XLA gives a fresh buffer)
+        out_shape = [jax.ShapeDtypeStruct((B, Hq, D), BF16), *partials, jax.ShapeDtypeStruct((B, KV), jnp.int32)]
+        args.append(jnp.zeros((B, KV), jnp.int32))
+        aliases[len(args) - 1] = len(out_shape) - 1
     else:
-        out_shape = [jax.ShapeDtypeStruct((B, Hq, splits, D), F32), jax.ShapeDtypeStruct((B, Hq, splits), F32),
-                     jax.ShapeDtypeStruct((B, Hq, splits), F32)]
-    aliases = {}
+        out_shape = partials
     if mode == "fused":
         n_out = len(out_shape)
         out_shape += [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in cache_in]
-        aliases = {len(args) - len(cache_in) + i: n_out + i for i in range(len(cache_in))}
+        first = len(args) - len(cache_in) - (1 if combine_here else 0)
+        aliases.update({first + i: n_out + i for i in range(len(cache_in))})
     kernel = functools.partial(_attn_kernel, mode=mode, ring=ring, sliding=sliding, B=B, Hq=Hq, KV=KV,
                                G=cfg.q_per_kv, D=D, window=cfg.sliding_window, n_slots=n_slots, splits=splits,
-                               min_chunk=min_chunk, eps=cfg.rms_norm_eps, num_refs_in=len(args))
+                               min_chunk=min_chunk, eps=cfg.rms_norm_eps, num_refs_in=len(args),
+                               combine_here=combine_here, compiled=not interpret)
     outs = pl.pallas_call(
         kernel, grid=(B, KV, splits), out_shape=out_shape, input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES), interpret=interpret,
@@ -249,6 +289,8 @@ def _attention_call(mode, first_args, cache, positions, active, sinks, cfg, slid
     )(*args)
     if splits == 1:
         o, rest = outs[0], outs[1:]
+    elif combine_here:
+        o, rest = outs[0], outs[5:]
     else:
         o = combine(*outs[:3], sinks, positions, active, ring=ring, fused=mode == "fused", min_chunk=min_chunk,
                     interpret=interpret)

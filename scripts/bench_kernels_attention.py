@@ -410,6 +410,14 @@ def main():
             section("sweep", lambda bn=bn, bk=bk, nw=nw: bench_qkv_variant(cfg, P, rows, "nvfp4", 1, nr, bn, bk, nw))
         for sp, bk in ((1, 64), (1, 128), (4, 64), (8, 64)):
             section("sweep", lambda sp=sp, bk=bk: bench_ring_variant(cfg, P, rows, 1, nr, sp, bk))
+        for context in (k100, ctx["k8"]):
+            def in_kernel_combine(context=context):
+                DA.COMBINE_IN_KERNEL = True
+                try:
+                    bench_decode_attention(cfg, P, rows, 1, context, S, nf, ref=False, tag=" combine in kernel")
+                finally:
+                    DA.COMBINE_IN_KERNEL = False
+            section("sweep", in_kernel_combine)
         for bk, nw, ns in ((128, 4, 3), (64, 8, 3), (64, 4, 4)):
             def variant(bk=bk, nw=nw, ns=ns):
                 old = DA.BLOCK_K, DA.NUM_WARPS, DA.NUM_STAGES

@@ -247,3 +247,26 @@ def test_kernels_lower_to_triton_for_h200(monkeypatch):
             for fn in fns:
                 text = jax.jit(fn).trace(cache).lower(lowering_platforms=("cuda",)).as_text()
                 assert "__gpu$xla.gpu.triton" in text
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_experimental_combine_in_kernel(monkeypatch):
+    """COMBINE_IN_KERNEL (off by default): the last split folds the partials; same results, and it lowers."""
+    monkeypatch.setattr(DA, "COMBINE_IN_KERNEL", True)
+    attend = _jit(DA.decode_attention, "cfg", "sliding", "splits", "min_chunk")  # a fresh trace sees the flag
+    check = functools.partial(check_attention, sink="large", sliding=False, splits=4, min_chunk=128)
+    globals_attend = globals()["attend_k"]
+    try:
+        globals()["attend_k"] = attend
+        check(full_cache(jax.random.key(6), len(FULL_POSITIONS)), FULL_POSITIONS)
+    finally:
+        globals()["attend_k"] = globals_attend
+    from jax._src.pallas.triton import gpu_info, pallas_call_registration
+    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
+                        lambda: gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200))
+    layer = params("nvfp4").layers[1]
+    h = jnp.zeros((2, CFG.hidden_size), jnp.bfloat16)
+    fn = lambda c: DA.attention_block_decode(h, layer, c, jnp.array([3, 40]), jnp.array([True, True]), CFG,  # noqa
+                                             False, 4, 64)
+    text = jax.jit(fn).trace(full_cache(jax.random.key(0), 2)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "decode_attention_combine" not in text
