@@ -10,11 +10,12 @@ One kernel body, three modes (Pallas, Triton lowering):
   position p - W, which the window masks; a full cache's row p is past the old keys).
 
 Grid (B, KV, splits). A program takes the Hq/KV query heads of one KV head together (rows padded to 16, the
-tensor-core tile) and streams that KV head's keys in blocks of BLOCK_K: sliding layers read the whole ring
-(`W` slots, masked by the stored positions), full layers split the keys [0, length) into `splits` equal chunks
-computed from the length at run time (lengths are data: one compiled kernel for every length up to max_len).
-With one split the kernel folds in the sink and writes o; with several it writes (acc, max, sum) partials and
-`combine` folds them and the sink together.
+tensor-core tile) and streams that KV head's keys in blocks of BLOCK_K: sliding layers read the ring (`W` slots,
+masked by the stored positions; one split by default, or static slices of it), full layers split the keys
+[0, length) into chunks computed from the length at run time (`split_geometry`: lengths are data, one compiled
+kernel for every length up to max_len). With one split the kernel folds in the sink and writes o; with several it
+writes (acc, max, sum) partials and `combine` folds them and the sink together (or, experimental and off, the
+last-arriving split does: COMBINE_IN_KERNEL).
 
 `attention_block_decode` = qkv_projection + fused attention [+ combine] + output projection with the residual:
 three kernels on a sliding layer (four on a full layer: the combine). `model_attention_block` is the same behind
