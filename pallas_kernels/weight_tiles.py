@@ -127,15 +127,22 @@ def k_loop(steps: int, body, init):
     return body(0, init) if steps == 1 else jax.lax.fori_loop(0, steps, body, init)
 
 
-def _f16_bits_to_f32(bits_i32: jax.Array) -> jax.Array:
-    return jax.lax.bitcast_convert_type(bits_i32.astype(jnp.uint16), jnp.float16).astype(F32)
+def _f16_bits_to_f32(bits: jax.Array) -> jax.Array:
+    """Low 16 bits of an integer array, read as f16, exactly converted to f32."""
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.float16).astype(F32)
 
 
 def decode_codes(b: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Code bytes (int32) -> (low nibble values, high nibble values) as f32, each E2M1 * 2^-14."""
-    lo = ((b & 0x7) << 9) | ((b & 0x8) << 12)
-    hi = ((b & 0x70) << 5) | ((b & 0x80) << 8)
-    return _f16_bits_to_f32(lo), _f16_bits_to_f32(hi)
+    """Code bytes (uint8 or int32) -> (low nibble values, high nibble values) as f32, each E2M1 * 2^-14.
+
+    Both nibbles are built in one 32-bit word, an f16 pair: one multiply spreads the byte to the two exponent/
+    mantissa positions (b << 9 | b << 21, no overlap) and one to the two sign positions (b << 12 | b << 24), two
+    masks keep the right bits. ~2.5 integer ops per value instead of ~5 for two separate f16 patterns; the f16 -> f32
+    conversion reads either half of the word."""
+    b = b.astype(jnp.uint32)
+    w = ((b * jnp.uint32(0x00200200)) & jnp.uint32(0x0E000E00)) | ((b * jnp.uint32(0x01001000))
+                                                                  & jnp.uint32(0x80008000))
+    return _f16_bits_to_f32(w & jnp.uint32(0xFFFF)), _f16_bits_to_f32(jax.lax.shift_right_logical(w, jnp.uint32(16)))
 
 
 def decode_scales(b: jax.Array) -> jax.Array:
@@ -286,7 +293,7 @@ def stream_rows(xs: Sequence[XSource], rows: Sequence, weights: Sequence[tuple[W
             if nvfp4_kind:
                 cb, sl, sh = wr[wj]
                 s_lo, s_hi = decode_scales(sl), decode_scales(sh)
-                w_lo, w_hi = decode_codes(cb.astype(jnp.int32))  # [bn, g, 16] each
+                w_lo, w_hi = decode_codes(cb)  # [bn, g, 16] each
                 if elementwise:
                     w_lo = w_lo * s_lo[:, :, None]
                     w_hi = w_hi * s_hi[:, :, None]
@@ -344,7 +351,7 @@ def stream_rows_dot(xs: XSource, weights: Sequence[tuple[WeightSpec, Sequence]],
             xh = xs.tile(slice(None), t, bk, 1, inv).astype(BF16).reshape(rows, g * GROUP)
             g0 = t * g
             for wi, (spec, (codes, scales, _)) in enumerate(weights):
-                cb = codes[0, pl.ds(n0, bn), pl.ds(g0, g), :].astype(jnp.int32)
+                cb = codes[0, pl.ds(n0, bn), pl.ds(g0, g), :]
                 s_lo = decode_scales(scales[0, pl.ds(n0, bn), pl.ds(g0, g)])
                 s_hi = decode_scales(scales[0, pl.ds(n0, bn), pl.ds(half_groups + g0, g)])
                 w_lo, w_hi = decode_codes(cb)
