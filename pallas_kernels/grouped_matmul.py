@@ -69,7 +69,21 @@ BLOCKS = {
 }
 
 
-def default_block(kind: str, mode: str) -> Block:
+# With few rows per expert (short chunks: 2K tokens x top-6 / 256 experts ~ 48 rows) a 128-row tile is mostly
+# padding; 64-row tiles then (also checked spill-free for sm_90).
+BLOCKS_FEW_ROWS = {
+    ("bf16", "linear"): Block(64, 128, 64, 4, 3),
+    ("bf16", "swiglu"): Block(64, 128, 64, 8, 3),
+    ("nvfp4", "linear"): Block(64, 128, 64, 4, 3),
+    ("nvfp4", "swiglu"): Block(64, 128, 64, 8, 3),
+}
+FEW_ROWS = 128  # mean rows per expert below which BLOCKS_FEW_ROWS is used
+
+
+def default_block(kind: str, mode: str, rows_per_expert: float | None = None) -> Block:
+    """The table's block for a weight kind and mode ("linear" | "swiglu"), given the mean rows per expert."""
+    if rows_per_expert is not None and rows_per_expert < FEW_ROWS:
+        return BLOCKS_FEW_ROWS[(kind, mode)]
     return BLOCKS[(kind, mode)]
 
 
@@ -234,7 +248,7 @@ def _call(x, ws, group_sizes, *, mode, layout=None, interpret=False, block=None)
         raise ValueError(f"x has K={x.shape[1]} but the expert weights are [{E}, {N}, {K}]")
     if group_sizes.shape != (E,):
         raise ValueError(f"group_sizes must be [{E}], got {group_sizes.shape}")
-    blk = _fit(block or default_block(kind, mode), kind, N, K)
+    blk = _fit(block or default_block(kind, mode, x.shape[0] / E), kind, N, K)
     R = x.shape[0]
     Rp = max(R, blk.bm)  # tiles never start before row 0 or end past the last row; only R < bm needs padding
     xp = x.astype(BF16)

@@ -96,9 +96,11 @@ def test_grouped_swiglu_matches_reference(kind, groups):
     np.testing.assert_array_equal(np.asarray(ref[:n], F32), np.asarray(want, F32))
 
 
-def test_down_projection_shape_with_default_blocks():
-    """The Flint-like aspect (K = I < N = H) through the default block table, rows not a multiple of bm."""
-    x, sizes, n = inputs(GROUPS["uneven_with_empty"], extra_rows=0)
+@pytest.mark.parametrize("scale", [1, 24])  # ~9 rows per expert (64-row tiles), ~225 (128-row tiles)
+def test_down_projection_shape_with_default_blocks(scale):
+    """The Flint-like aspect (K = I < N = H) through the default block tables, rows not a multiple of bm."""
+    x, sizes, n = inputs([scale * g for g in GROUPS["uneven_with_empty"]], extra_rows=0)
+    assert gm.default_block("nvfp4", "linear", x.shape[0] / E).bm == (64 if scale == 1 else 128)
     w = weights("nvfp4", n=2 * K, k=K)
     out = gm.grouped_matmul(x, w, sizes, interpret=INTERPRET)
     assert_bf16_close(out, gm.ref_grouped_matmul(x, w, sizes))
