@@ -41,6 +41,9 @@ BLOCK_K_BF16 = 512  # input columns per step, BF16 weights
 BLOCK_K_NVFP4 = 512  # input columns per step, NVFP4 weights (256 code bytes: 256 low + 256 high nibbles)
 NORM_BLOCK = 1024  # input columns per step of the RMSNorm statistics pass
 QKV_WARPS, QKV_STAGES = 8, 3
+# E4M3 scales reach the kernel as float8 and are bitcast to bytes in-kernel (XLA never copies them). If a Triton
+# build rejects float8 loads, set this to True: XLA then bitcasts to uint8 outside (issue 4's GEMV does that).
+SCALES_BITCAST_IN_XLA = False
 
 
 def _params(num_warps: int = 4, num_stages: int = 3):
@@ -64,6 +67,13 @@ def _e2m1_to_f32(c: jax.Array) -> jax.Array:
     bits = jnp.where(mag < 2, mag * 0x3F000000, bits)  # e = 0: 0 or 0.5 (0x3F000000 is 0.5f)
     bits = bits | ((c & 8) << 28)
     return jax.lax.bitcast_convert_type(bits, F32)
+
+
+def _scale_bytes(s: jax.Array) -> jax.Array:
+    """E4M3 scales as loaded (float8_e4m3fn, or uint8 with SCALES_BITCAST_IN_XLA) -> their bytes as int32."""
+    if s.dtype != jnp.uint8:
+        s = jax.lax.bitcast_convert_type(s, jnp.uint8)
+    return s.astype(jnp.int32)
 
 
 def _expand_scales(s: jax.Array, n: int) -> jax.Array:
@@ -122,8 +132,8 @@ def _qkv_kernel(h_ref, norm_ref, *refs, B, H, eps, kinds, row_blocks, col0, bloc
                 def body(i, acc):
                     c0 = i * nb
                     codes = c_ref[pl.ds(r0, BLOCK_N), pl.ds(c0, nb)].astype(jnp.int32)
-                    s_lo = s_ref[pl.ds(r0, BLOCK_N), pl.ds(i * ns, ns)].astype(jnp.int32)
-                    s_hi = s_ref[pl.ds(r0, BLOCK_N), pl.ds(half // NVFP4_BLOCK + i * ns, ns)].astype(jnp.int32)
+                    s_lo = _scale_bytes(s_ref[pl.ds(r0, BLOCK_N), pl.ds(i * ns, ns)])
+                    s_hi = _scale_bytes(s_ref[pl.ds(r0, BLOCK_N), pl.ds(half // NVFP4_BLOCK + i * ns, ns)])
                     w_lo = (_e2m1_to_f32(codes & 15) * _expand_scales(_e4m3_bits_to_f32(s_lo), nb)).astype(BF16)
                     w_hi = (_e2m1_to_f32(codes >> 4) * _expand_scales(_e4m3_bits_to_f32(s_hi), nb)).astype(BF16)
                     acc = acc + plgpu.dot(normed(c0, nb), w_lo, trans_b=True)
@@ -137,7 +147,7 @@ def _qkv_kernel(h_ref, norm_ref, *refs, B, H, eps, kinds, row_blocks, col0, bloc
 
 def _weight_args(w):
     if isinstance(w, NVFP4Weight):
-        scales = jax.lax.bitcast_convert_type(w.scales, jnp.uint8)
+        scales = jax.lax.bitcast_convert_type(w.scales, jnp.uint8) if SCALES_BITCAST_IN_XLA else w.scales
         return "nvfp4", [w.codes, scales, jnp.reshape(w.global_scale, (1,)).astype(F32)]
     return "bf16", [w]
 
