@@ -43,10 +43,12 @@ def count(cfg: FlintConfig, weights: str, batch: int, impl: str, max_len: int = 
         text = jax.jit(step).trace(params, state, jax.ShapeDtypeStruct((batch,), jnp.int32)).lower(
             lowering_platforms=("cuda",)).as_text()
     calls = collections.Counter(re.findall(r"stablehlo\.custom_call @([\w$.]+)", text))
+    names = collections.Counter(re.findall(r'name = "(\w+)", num_stages', text))
     ops = collections.Counter(re.findall(r"= stablehlo\.(\w+)", text))
     other = sum(n for op, n in ops.items() if op not in FREE and op != "custom_call")
     return {"impl": impl, "weights": weights, "batch": batch, "custom_calls": dict(calls),
             "pallas_kernels": sum(n for c, n in calls.items() if "triton" in c or "mosaic" in c),
+            "by_kernel": dict(names.most_common()),
             "other_hlo_ops": other}
 
 
@@ -62,6 +64,8 @@ def main(argv=None) -> int:
         r = count(cfg, args.weights, args.batch, impl)
         print(f"{impl} {args.weights} B={args.batch}: {r['pallas_kernels']} Pallas kernels, custom calls "
               f"{r['custom_calls']}, {r['other_hlo_ops']} other StableHLO ops ({time.time() - t:.0f}s)", flush=True)
+        for name, n in r["by_kernel"].items():
+            print(f"  {n:4d}  {name}")
     return 0
 
 
