@@ -14,12 +14,15 @@ def engine(tiny_cfg, tiny_params):
 def test_queue_slots_and_greedy_match_the_reference(engine, tiny_cfg, tiny_params):
     prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], [5] * 10, [3, 3]]  # 4 requests over 2 slots
     res = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6))
-    for prompt, r in zip(prompts, res):
+    # Greedy: each generated token is the argmax of the reference logits at the position before it. Causal
+    # attention lets every sequence be right-padded to one length, so one forward checks them all.
+    seqs = [list(p) + r.tokens for p, r in zip(prompts, res)]
+    width = max(map(len, seqs))
+    logits = M.forward(tiny_params, jnp.asarray([s + [0] * (width - len(s)) for s in seqs]), tiny_cfg)
+    for b, (prompt, r) in enumerate(zip(prompts, res)):
         assert r.finish_reason == "length" and len(r.tokens) == 6 and r.ttft_s > 0
-        seq = list(prompt)
-        for tok in r.tokens:
-            assert int(jnp.argmax(M.forward(tiny_params, jnp.asarray([seq]), tiny_cfg)[0, -1])) == tok
-            seq.append(tok)
+        for i, tok in enumerate(r.tokens):
+            assert int(jnp.argmax(logits[b, len(prompt) + i - 1])) == tok
 
 
 def test_stop_tokens_per_request_settings_and_streaming(engine):
