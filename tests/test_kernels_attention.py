@@ -98,7 +98,20 @@ def sinks_of(kind):
     return jnp.full((CFG.num_attention_heads,), SINKS[kind], jnp.float32).at[1].add(-1.5)
 
 
-# ---- prologue --------------------------------------------------------------------------------------------------
+# ---- prologue ----------------------------------------------------------------------------------------------
+
+def test_nvfp4_bit_decoders_are_exact():
+    """The in-kernel integer decoders against the format module (all 16 codes, every finite E4M3 byte)."""
+    from flint_jax.nvfp4 import E2M1_VALUES
+    codes = jnp.arange(16, dtype=jnp.int32)
+    np.testing.assert_array_equal(np.asarray(AP._e2m1_to_f32(codes)), E2M1_VALUES)
+    assert np.signbit(np.asarray(AP._e2m1_to_f32(codes)))[8]  # code 8 is -0.0, as in E2M1_VALUES
+    b = np.array([x for x in range(128) if x != 0x7F], np.uint8)  # positive scales; 0x7F is NaN in e4m3fn
+    want = b.view(jnp.float8_e4m3fn).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(AP._e4m3_bits_to_f32(jnp.asarray(b, jnp.int32))), want)
+    f8 = jnp.asarray(b).view(jnp.float8_e4m3fn)
+    np.testing.assert_array_equal(np.asarray(AP._scale_bytes(f8)), b.astype(np.int32))
+
 
 # Both weight kinds and both cache kinds, without the full cross product (interpret-mode compiles are slow).
 @pytest.mark.parametrize("weights,sliding", [("nvfp4", True), ("bf16", False)], ids=["ring-nvfp4", "full-bf16"])
