@@ -13,7 +13,6 @@ a Markdown table to --out. On the device machine: scripts/gpu_kernels_weights.sh
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -25,23 +24,9 @@ import types
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _import_kernels():
-    """flint_jax.pallas_kernels even where the package is not installed (the device machine): map the folder."""
-    if ROOT not in sys.path:
-        sys.path.insert(0, ROOT)
-    import flint_jax  # noqa: F401  (sets XLA_FLAGS before JAX starts)
-    try:
-        import flint_jax.pallas_kernels.gemv  # noqa: F401
-    except ImportError:
-        spec = importlib.util.spec_from_file_location(
-            "flint_jax.pallas_kernels", os.path.join(ROOT, "pallas_kernels", "__init__.py"),
-            submodule_search_locations=[os.path.join(ROOT, "pallas_kernels")])
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["flint_jax.pallas_kernels"] = mod
-        spec.loader.exec_module(mod)
-
-
-_import_kernels()
+# Import from the checkout (the device machine has no install); flint_jax maps pallas_kernels/ itself.
+sys.path.insert(0, ROOT)
+import flint_jax  # noqa: E402,F401  (sets XLA_FLAGS before JAX starts)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
