@@ -21,24 +21,10 @@ import pytest
 from flint_jax import layers, nvfp4
 from flint_jax.pallas_kernels import gemv as G
 from flint_jax.pallas_kernels import weight_tiles as wt
+from numerics import assert_bf16_close, bf16_ulps  # noqa: F401
 
 INTERPRET = os.environ.get("FLINT_PALLAS_COMPILED", "") != "1"
 BF16, F32 = jnp.bfloat16, jnp.float32
-
-
-def bf16_ulps(a, b) -> np.ndarray:
-    def ordered(x):
-        i = np.asarray(jnp.asarray(x, BF16).view(jnp.int16)).astype(np.int32)
-        return np.where(i < 0, -32768 - i, i)
-    return np.abs(ordered(a) - ordered(b))
-
-
-def assert_bf16_close(out, ref, max_ulp=1, max_frac=0.02):
-    assert out.shape == ref.shape and out.dtype == ref.dtype == BF16
-    assert np.all(np.isfinite(np.asarray(out, np.float32)))
-    u = bf16_ulps(out, ref)
-    assert u.max() <= max_ulp, f"max {u.max()} BF16 ulps"
-    assert np.mean(u > 0) <= max_frac, f"{np.mean(u > 0):.3%} of outputs differ"
 
 
 def make_weight(key, n, k, kind, gs=1.7):

@@ -18,6 +18,7 @@ import pytest
 
 from flint_jax.pallas_kernels import prefill_attention as pa
 from flint_jax.state import FullCache, RingCache, write_full, write_ring
+from numerics import assert_bf16_close
 
 INTERPRET = os.environ.get("FLINT_PALLAS_COMPILED", "") != "1"
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -25,20 +26,10 @@ B, T, Hq, KV, D, S = 2, 37, 4, 2, 16, 96
 BLOCK = pa.Block(rows=32, bk=16, num_warps=4, num_stages=1)  # 16 tokens x 2 heads per program, 16 keys a step
 
 
-def bf16_ulps(a, b) -> np.ndarray:
-    def ordered(x):
-        i = np.asarray(jnp.asarray(x, BF16).view(jnp.int16)).astype(np.int32)
-        return np.where(i < 0, -32768 - i, i)
-    return np.abs(ordered(a) - ordered(b))
-
-
 def assert_close(out, ref, rows, max_ulp=2, max_frac=0.05):
     """Compare the real query rows (rows [B, T] bool)."""
-    out, ref = np.asarray(out, F32)[rows], np.asarray(ref, F32)[rows]
-    assert np.all(np.isfinite(out))
-    u = bf16_ulps(out, ref)
-    assert u.max() <= max_ulp, f"max {u.max()} BF16 ulps"
-    assert (u > 0).mean() <= max_frac, f"{(u > 0).mean():.3%} of outputs differ"
+    rows = np.asarray(rows)
+    assert_bf16_close(jnp.asarray(out)[rows], jnp.asarray(ref)[rows], max_ulp, max_frac)
 
 
 def chunk(history, n_new, seed=0):
