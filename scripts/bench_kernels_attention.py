@@ -13,7 +13,6 @@ Caches written in place are donated and threaded through the calls, as the decod
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -27,25 +26,11 @@ import traceback
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _import_shim():
-    """Import flint_jax and its kernels even where the package is not installed (the device machine)."""
-    try:
-        import flint_jax.pallas_kernels  # noqa: F401
-        return "installed"
-    except ImportError:
-        pass
-    sys.path.insert(0, ROOT)
-    import flint_jax  # noqa: F401
-    spec = importlib.util.spec_from_file_location("flint_jax.pallas_kernels",
-                                                  os.path.join(ROOT, "pallas_kernels", "__init__.py"),
-                                                  submodule_search_locations=[os.path.join(ROOT, "pallas_kernels")])
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["flint_jax.pallas_kernels"] = mod
-    spec.loader.exec_module(mod)
-    return "shim"
+# Import from the checkout (the device machine has no install); flint_jax maps pallas_kernels/ itself.
+sys.path.insert(0, ROOT)
+import flint_jax  # noqa: E402,F401  (sets XLA_FLAGS before JAX starts)
 
-
-HOW = _import_shim()
+HOW = os.path.dirname(flint_jax.__file__)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

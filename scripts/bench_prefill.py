@@ -165,18 +165,6 @@ def prefill_flops(cfg: FlintConfig, start: int, n: int) -> dict:
     return {"matmul": mm, "attention": attn, "total": mm + attn}
 
 
-def init_params_on_device(cfg: FlintConfig, key: jax.Array, weights: str):
-    """params.init_params(cfg, key, weights) (same initialisers and keys; equal up to FP32 rounding of fused ops),
-    with each leaf initialised by a jitted function
-    compiled once per distinct leaf (about 20 small programs instead of one ~1,000-op program: seconds of compile,
-    not minutes). Everything is created on the device."""
-    desc = params_mod.describe(cfg, weights)
-    leaves, treedef = jax.tree.flatten(desc, is_leaf=lambda x: isinstance(x, params_mod.Leaf))
-    keys = jax.random.split(key, len(leaves))
-    one = jax.jit(params_mod._init_leaf, static_argnums=(0, 2))
-    return jax.tree.unflatten(treedef, [one(leaf, k, cfg) for leaf, k in zip(leaves, keys)])
-
-
 # ---- layer drivers ----------------------------------------------------------------------------------------------
 def _chunk_inputs(lengths, n_new, T):
     t = jnp.arange(T, dtype=jnp.int32)[None, :]
@@ -772,7 +760,7 @@ def main(argv=None) -> int:
             if not run.allows(60 if not tiny else 5, f"{kind} model (init + prefill)"):
                 break
             t = time.perf_counter()
-            params = sync(init_params_on_device(cfg, jax.random.key(0), kind))
+            params = sync(params_mod.init_params(cfg, jax.random.key(0), kind))
             log(f"{kind}: parameters initialised on the device in {time.perf_counter() - t:.1f} s")
             run.results["prefill"].setdefault(kind, {})["init_s"] = time.perf_counter() - t
             if "prefill" not in skip:
