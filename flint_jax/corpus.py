@@ -414,7 +414,9 @@ def encode_sample(tok: FlintTokenizer, sample: Sample):
     import numpy as np
     enc = tok.hf_tokenizer.encode(sample.text, add_special_tokens=False)
     ids = np.asarray(enc.ids, np.int32)
-    target = np.asarray([any(s <= a < e for s, e in sample.spans) for a, _ in enc.offsets], np.float32)
+    starts = np.asarray([a for a, _ in enc.offsets])[:, None]
+    spans = np.asarray(sample.spans)
+    target = np.any((spans[:, 0] <= starts) & (starts < spans[:, 1]), axis=1).astype(np.float32)
     return ids, target
 
 
