@@ -15,7 +15,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     add_model_args(p)
     p.add_argument("--message", help="send one user message, print the reply and exit")
     p.add_argument("--system", help="a system message")
-    p.add_argument("--tools", help="a JSON file holding a list of OpenAI-style tool definitions")
+    p.add_argument("--tools", help="a JSON file holding a list of OpenAI-style tool definitions (default: the "
+                                   "model's own tools, if it ships any, as the embedded demo model does)")
     p.add_argument("--no-thinking", action="store_true", help="turn reasoning off")
     p.add_argument("--json", action="store_true", help="print the final OpenAI-shaped choice as JSON")
     add_sampling_args(p)
@@ -71,6 +72,8 @@ def run(args) -> int:
 
     tools = _load_tools(args.tools)
     rt = load_runtime(args.model, announce=lambda m: print(m, file=sys.stderr))
+    if tools is None:
+        tools = rt.default_tools
     engine = Engine(rt.cfg, rt.params, max_batch=1, max_len=resolve_max_len(args, rt), impl=args.impl,
                     tokenizer=rt.tokenizer, chat_template=rt.chat_template)
     messages = [{"role": "system", "content": args.system}] if args.system else []

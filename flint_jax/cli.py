@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="complete a prompt", description="Complete a raw text prompt.")
     add_model_args(gen)
     gen.add_argument("--prompt", default="Hello", help="prompt text (default: 'Hello')")
+    gen.add_argument("--chat", action="store_true",
+                     help="wrap the prompt as one user turn in the model's chat template (with the model's own tools, "
+                          "if it ships any) and print the raw completion, tags included")
     add_sampling_args(gen)
     from flint_jax import chat_cli
     chat_cli.add_parser(sub)
@@ -54,12 +57,17 @@ def run_generate(args) -> int:
     from flint_jax.sampling import SamplingParams
 
     rt = load_runtime(args.model, announce=lambda m: print(m, file=sys.stderr))
-    prompt_ids = rt.tokenizer.encode(args.prompt)
+    text = args.prompt
+    if args.chat:
+        from flint_jax.chat import render
+        text = render([{"role": "user", "content": args.prompt}], tools=rt.default_tools,
+                      chat_template=rt.chat_template)
+    prompt_ids = rt.tokenizer.encode(text)
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                               max_tokens=args.max_tokens, seed=args.seed, stop_token_ids=rt.stop_token_ids)
     engine = Engine(rt.cfg, rt.params, max_batch=1, max_len=resolve_max_len(args, rt), impl=args.impl)
     decoder = IncrementalDecoder(rt.tokenizer)
-    sys.stdout.write(args.prompt)
+    sys.stdout.write(args.prompt if not args.chat else "")
     t0 = time.perf_counter()
     result = engine.generate([prompt_ids], sampling,
                              on_token=lambda ev: sys.stdout.write(decoder.feed(ev.token)) and sys.stdout.flush())[0]

@@ -36,6 +36,7 @@ class Runtime:
     stop_token_ids: tuple[int, ...]
     description: str
     chat_template: str | None = None
+    default_tools: list | None = None  # tools offered when the user names none (the demo model's own)
 
 
 def random_tiny_runtime(seed: int = 0) -> Runtime:
