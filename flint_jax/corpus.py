@@ -19,7 +19,7 @@ import operator
 import random
 from typing import Any, Iterator, Literal
 
-from flint_jax.chat import FlintTokenizer, render
+from flint_jax.chat import FlintTokenizer, render, train_bpe_tokenizer
 from flint_jax.chat import tags
 
 Split = Literal["train", "held_out"]
@@ -346,19 +346,7 @@ def held_out_cases(n: int, seed: int = 2024) -> list[Case]:
 def train_tokenizer(texts: list[str], vocab_size: int) -> FlintTokenizer:
     """Byte-level BPE with the `qwen2` pre-tokenizer, which splits every digit on its own (GLM-4's groups of up to
     three would make each unseen number a new token). Flint's markers are ids 0..16, registered as special."""
-    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
-
-    from flint_jax.chat.tags import FLINT_SPECIAL_TOKENS
-    from flint_jax.chat.tokenizer import _set_byte_level  # the one place that spells the split regexes
-
-    tok = Tokenizer(models.BPE())
-    _set_byte_level(tok, "qwen2")
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, min_frequency=2, show_progress=False,
-        special_tokens=[AddedToken(t, special=True, normalized=False) for t in FLINT_SPECIAL_TOKENS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(texts, trainer)
-    return FlintTokenizer(tok, pre="qwen2")
+    return train_bpe_tokenizer(texts, vocab_size, min_frequency=2, pre="qwen2")
 
 
 # ---- evaluation ------------------------------------------------------------------------------------------------

@@ -244,20 +244,22 @@ class IncrementalDecoder:
         return text
 
 
-def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> FlintTokenizer:
-    """Train a small GLM-4-style byte-level BPE tokenizer on `texts`; ids 0..16 are the Flint markers."""
+def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int = 2,
+                        pre: str = "glm4") -> FlintTokenizer:
+    """Train a small byte-level BPE tokenizer on `texts`; ids 0..16 are the Flint markers. `pre` names the
+    pre-tokenizer split (GLM-4's by default; "qwen2" splits every digit on its own)."""
     floor = 256 + len(FLINT_SPECIAL_TOKENS)
     if vocab_size < floor:
         raise ValueError(f"vocab_size must be at least {floor} (256 bytes + {len(FLINT_SPECIAL_TOKENS)} markers)")
     tok = Tokenizer(models.BPE())
-    _set_byte_level(tok, "glm4")
+    _set_byte_level(tok, pre)
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, min_frequency=min_frequency, show_progress=False,
         special_tokens=[AddedToken(t, special=True, normalized=False) for t in FLINT_SPECIAL_TOKENS],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(texts, trainer)
-    return FlintTokenizer(tok, pre="glm4")
+    return FlintTokenizer(tok, pre=pre)
 
 
 def _set_byte_level(tok: Tokenizer, pre: str) -> None:
