@@ -312,7 +312,7 @@ def bench_ring_variant(cfg, peak, rows, B, copies, splits, block_k, reps=10):
 
 
 def run_tests(out):
-    env = dict(os.environ, FLINT_KERNELS_COMPILED="1")
+    env = dict(os.environ, FLINT_PALLAS_COMPILED="1")
     t = time.time()
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "--no-header", "-p", "no:cacheprovider",
                         os.path.join(ROOT, "tests", "test_kernels_attention.py")],

@@ -10,7 +10,6 @@ for values that cancel). Attention outputs and the block output: within 2 BF16 u
 Cache contents outside the written slot and ring positions are exact.
 """
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +21,7 @@ from flint_jax.params import init_params
 from flint_jax.pallas_kernels import attention_prologue as AP
 from flint_jax.pallas_kernels import decode_attention as DA
 from flint_jax.state import FullCache, RingCache
+from kernel_mode import INTERPRET
 
 W, S_MAX = 17, 256
 CFG = FlintConfig.tiny(hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
@@ -29,8 +29,7 @@ CFG = FlintConfig.tiny(hidden_size=256, num_attention_heads=8, num_key_value_hea
 SINKS = {"-inf": -np.inf, "0": 0.0, "large": 30.0}
 
 
-# CI runs interpret mode on the CPU; scripts/bench_kernels_attention.py sets FLINT_KERNELS_COMPILED=1 on the GPU.
-INTERPRET = os.environ.get("FLINT_KERNELS_COMPILED", "0") != "1"
+# CI runs interpret mode on the CPU; scripts/bench_kernels_attention.py sets FLINT_PALLAS_COMPILED=1 on the GPU.
 
 
 def _jit(f, *static):

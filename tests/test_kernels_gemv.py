@@ -10,7 +10,6 @@ that distance of a BF16 rounding boundary: at most 1 BF16 ulp, on a small fracti
 runs, where both sides run on the CPU). The FP32 logits are compared with a relative bound of 1e-5 of max |ref|.
 """
 
-import os
 
 import flint_jax  # noqa: F401  (XLA_FLAGS first)
 import jax
@@ -22,8 +21,8 @@ from flint_jax import layers, nvfp4
 from flint_jax.pallas_kernels import gemv as G
 from flint_jax.pallas_kernels import weight_tiles as wt
 from numerics import assert_bf16_close, bf16_ulps  # noqa: F401
+from kernel_mode import INTERPRET
 
-INTERPRET = os.environ.get("FLINT_PALLAS_COMPILED", "") != "1"
 BF16, F32 = jnp.bfloat16, jnp.float32
 
 

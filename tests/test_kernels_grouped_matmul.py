@@ -9,7 +9,6 @@ a few FP32 ulps of a BF16 rounding boundary: at most 1 BF16 ulp on a small fract
 runs, where both sides sum in the same order).
 """
 
-import os
 
 import flint_jax  # noqa: F401  (XLA_FLAGS first)
 import jax
@@ -21,8 +20,8 @@ from flint_jax import layers as L
 from flint_jax import nvfp4
 from flint_jax.pallas_kernels import grouped_matmul as gm
 from numerics import assert_bf16_close, bf16_ulps  # noqa: F401
+from kernel_mode import INTERPRET
 
-INTERPRET = os.environ.get("FLINT_PALLAS_COMPILED", "") != "1"
 BF16, F32 = jnp.bfloat16, jnp.float32
 E, N, K = 8, 64, 128
 BLOCK = gm.Block(bm=16, bn=32, bk=32, num_warps=4, num_stages=1)  # several tiles, visits and K steps

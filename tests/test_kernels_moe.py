@@ -8,7 +8,6 @@ only); block outputs `h + mlp(h)` within 1 BF16 ulp on at most 2% of elements (s
 accumulation order is the only difference, and every rounding point of FLINT_SPEC is reproduced).
 """
 
-import os
 
 import flint_jax  # noqa: F401
 import jax
@@ -20,8 +19,8 @@ from flint_jax import FlintConfig, layers, nvfp4, params
 from flint_jax.pallas_kernels import moe_experts as X
 from flint_jax.pallas_kernels import router as R
 from numerics import assert_bf16_close, bf16_ulps  # noqa: F401
+from kernel_mode import INTERPRET
 
-INTERPRET = os.environ.get("FLINT_PALLAS_COMPILED", "") != "1"
 BF16, F32 = jnp.bfloat16, jnp.float32
 CFG = FlintConfig.tiny(hidden_size=256, moe_intermediate_size=128, intermediate_size=256, n_routed_experts=16,
                        num_experts_per_tok=6, num_hidden_layers=3)

@@ -8,7 +8,6 @@ rounding differences; after the BF16 rounding of o they flip at most a last bit 
 percent of outputs). With Block.pv = "bf16x2" (the GPU default) probabilities keep 16 bits: the same bound holds.
 """
 
-import os
 
 import flint_jax  # noqa: F401  (XLA_FLAGS first)
 import jax
@@ -19,8 +18,8 @@ import pytest
 from flint_jax.pallas_kernels import prefill_attention as pa
 from flint_jax.state import FullCache, RingCache, write_full, write_ring
 from numerics import assert_bf16_close
+from kernel_mode import INTERPRET
 
-INTERPRET = os.environ.get("FLINT_PALLAS_COMPILED", "") != "1"
 BF16, F32 = jnp.bfloat16, jnp.float32
 B, T, Hq, KV, D, S = 2, 37, 4, 2, 16, 96
 BLOCK = pa.Block(rows=32, bk=16, num_warps=4, num_stages=1)  # 16 tokens x 2 heads per program, 16 keys a step
