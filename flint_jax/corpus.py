@@ -229,7 +229,7 @@ def flight_case(rng: random.Random, split: Split) -> Case:
         "both": f"The flight departs at {row['departs']} from gate {row['gate']}.",
     }[ask]
     return Case("lookup_flight", question, "lookup_flight", {"flight": flight}, lookup_flight(flight),
-                plan=f"The user asks about a flight. I will call lookup_flight.", answer=answer,
+                plan="The user asks about a flight. I will call lookup_flight.", answer=answer,
                 wrap_up=f"The tool returned the {'gate' if ask == 'gate' else 'time' if ask == 'time' else 'details'}.")
 
 

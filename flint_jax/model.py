@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flint_jax import layers as L
 from flint_jax.config import FlintConfig
 from flint_jax.params import Params
-from flint_jax.state import FullCache, KVState, RingCache, write_full, write_ring
+from flint_jax.state import KVState, write_full, write_ring
 
 
 def check_tokens(tokens, cfg: FlintConfig) -> None:

@@ -18,7 +18,6 @@ Everything per-head (`finish_heads`, `rope_tables`) is written once here and use
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp

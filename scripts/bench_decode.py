@@ -19,7 +19,6 @@ import argparse
 import dataclasses
 import functools
 import json
-import math
 import os
 import re
 import statistics
@@ -31,7 +30,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import flint_jax  # noqa: E402,F401  (XLA flags before JAX starts)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 from flint_jax import model as M  # noqa: E402
 from flint_jax.config import FlintConfig  # noqa: E402

@@ -36,7 +36,6 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from flint_jax import model as M  # noqa: E402
 from flint_jax import nvfp4  # noqa: E402
 from flint_jax.config import FlintConfig  # noqa: E402
 from flint_jax.params import Attention, Layer  # noqa: E402

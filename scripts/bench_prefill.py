@@ -36,7 +36,6 @@ import functools
 import json
 import math
 import os
-import statistics
 import sys
 import time
 import traceback

@@ -2,7 +2,7 @@
 import jax
 import pytest
 
-from flint_jax.chat import parse_assistant, train_bpe_tokenizer
+from flint_jax.chat import train_bpe_tokenizer
 from flint_jax.config import FlintConfig
 from flint_jax.engine import Engine
 from flint_jax.params import init_params

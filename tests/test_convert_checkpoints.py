@@ -15,6 +15,7 @@ from flint_jax.config import FlintConfig
 from flint_jax.convert import convert, load, names, write_gguf, write_hf
 from flint_jax.model import forward
 from flint_jax.nvfp4 import NVFP4Weight
+from gguf_files import raw_gguf
 
 # NVFP4 vs BF16 logits of the tiny random model (every linear quantized, ggml rounding, power-of-two global scales).
 # Each weight alone has ~9.5% relative RMS error (E2M1 with one E4M3 scale per 16 values); through 5 random layers
@@ -232,25 +233,6 @@ def test_orbax_round_trip_keeps_every_dtype_bit_exact(nvfp4_gguf, tmp_path):
     assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(back.params))
 
 
-def _raw_gguf(path, cfg, tensors, arch="flint"):
-    """A GGUF written by the gguf package alone: flint metadata for cfg, tensors {name: (array, ggml type)}."""
-    w = gguf.GGUFWriter(path, arch)
-    for key, (v, kind) in names.gguf_metadata(cfg).items():
-        if kind.endswith("[]"):
-            sub = gguf.GGUFValueType.BOOL if kind == "bool[]" else gguf.GGUFValueType.UINT32
-            w.add_key_value(key, list(v), gguf.GGUFValueType.ARRAY, sub_type=sub)
-        else:
-            {"u32": w.add_uint32, "f32": w.add_float32, "bool": w.add_bool}[kind](key, v)
-    w.add_eos_token_id(cfg.eos_token_id[0])
-    w.add_pad_token_id(cfg.pad_token_id)
-    for name, (a, qtype) in tensors.items():
-        w.add_tensor(name, a, raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
 def test_gguf_any_mix_of_types(tmp_path, tiny_cfg, tiny_params):
     """F16 and F32 linears, BF16 others, NVFP4 experts with `.weight.scale` [E] and a 2-D NVFP4 with `.scale` [1],
     no router bias (zeros), tied embeddings (no output.weight): written by the gguf package itself."""
@@ -276,7 +258,7 @@ def test_gguf_any_mix_of_types(tmp_path, tiny_cfg, tiny_params):
             tensors[e.gguf_scale_names[0]] = (np.array([0.5], np.float32), T.F32)
         else:
             tensors[e.gguf] = (x.view(np.uint16), T.BF16)
-    _raw_gguf(tmp_path / "mix.gguf", cfg, tensors)
+    raw_gguf(tmp_path / "mix.gguf", cfg, tensors, token_ids=True)
     m = load(tmp_path / "mix.gguf")
     assert m.cfg == cfg
     p = m.params

@@ -14,6 +14,7 @@ import pytest
 from flint_jax import nvfp4
 from flint_jax.convert import CheckpointError, convert, load, names, write_gguf, write_hf
 from flint_jax.convert.cli import main
+from gguf_files import raw_gguf
 
 T = gguf.GGMLQuantizationType
 
@@ -31,23 +32,6 @@ def gguf_tensors(cfg, params, nvfp4_linears=False):
         else:
             out[e.gguf] = (x, T.F32)
     return out
-
-
-def raw_gguf(path, cfg, tensors, arch="flint", meta=None):
-    w = gguf.GGUFWriter(path, arch)
-    for key, (v, kind) in names.gguf_metadata(cfg).items():
-        if kind.endswith("[]"):
-            sub = gguf.GGUFValueType.BOOL if kind == "bool[]" else gguf.GGUFValueType.UINT32
-            w.add_key_value(key, list(v), gguf.GGUFValueType.ARRAY, sub_type=sub)
-        else:
-            {"u32": w.add_uint32, "f32": w.add_float32, "bool": w.add_bool}[kind](key, (meta or {}).get(key, v))
-    for name, (a, qtype) in tensors.items():
-        w.add_tensor(name, a, raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
 
 
 def expect(match, fn, *args, **kw):

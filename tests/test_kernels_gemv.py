@@ -20,7 +20,7 @@ import pytest
 from flint_jax import layers, nvfp4
 from flint_jax.pallas_kernels import gemv as G
 from flint_jax.pallas_kernels import weight_tiles as wt
-from numerics import assert_bf16_close, bf16_ulps  # noqa: F401
+from numerics import assert_bf16_close
 from kernel_mode import INTERPRET
 
 BF16, F32 = jnp.bfloat16, jnp.float32

@@ -18,7 +18,7 @@ import pytest
 from flint_jax import FlintConfig, layers, nvfp4, params
 from flint_jax.pallas_kernels import moe_experts as X
 from flint_jax.pallas_kernels import router as R
-from numerics import assert_bf16_close, bf16_ulps  # noqa: F401
+from numerics import assert_bf16_close
 from kernel_mode import INTERPRET
 
 BF16, F32 = jnp.bfloat16, jnp.float32
