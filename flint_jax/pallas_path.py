@@ -68,6 +68,38 @@ def coverage() -> dict[str, str]:
     return {k: "pallas" if v is not None else "reference (kernel missing)" for k, v in _kernels().items()}
 
 
+def kernel_census(cfg, weights: str = "nvfp4", batch: int = 1, impl: str = "pallas", max_len: int = 4096) -> dict:
+    """What one decode step launches on a GPU, found without one: the step is lowered for CUDA (abstract parameters,
+    nothing allocated). Returns {"pallas_kernels": n, "by_kernel": {name: n}, "other_hlo_ops": n}; the other ops are
+    XLA glue that the device compiler fuses into an unknown (smaller) number of kernels."""
+    import collections
+    import re
+
+    import jax.numpy as jnp
+
+    from flint_jax import model as M
+    from flint_jax.params import abstract_params
+    from flint_jax.state import init_state
+
+    params = abstract_params(cfg, weights)
+    state = jax.eval_shape(lambda: init_state(cfg, batch, max_len))
+
+    def step(params, state, tokens):
+        return M.model_step(params, state, tokens[:, None], jnp.ones_like(tokens), cfg, impl=impl)
+
+    with lowering_for_gpu():
+        text = jax.jit(step).trace(params, state, jax.ShapeDtypeStruct((batch,), jnp.int32)).lower(
+            lowering_platforms=("cuda",)).as_text()
+    calls = collections.Counter(re.findall(r"stablehlo\.custom_call @([\w$.]+)", text))
+    names = collections.Counter(re.findall(r'name = "(\w+)", num_stages', text))
+    free = {"reshape", "bitcast_convert", "get_tuple_element", "tuple", "constant", "return", "optimization_barrier",
+            "custom_call"}
+    ops = collections.Counter(re.findall(r"= stablehlo\.(\w+)", text))
+    return {"pallas_kernels": sum(n for c, n in calls.items() if "triton" in c or "mosaic" in c),
+            "by_kernel": dict(names.most_common()),
+            "other_hlo_ops": sum(n for op, n in ops.items() if op not in free)}
+
+
 def _decode_attention(h, layer, cache, positions, valid, lengths_after, cfg, sliding):
     fn = _kernels()["decode_attention"]
     out, cache = fn(h[:, 0], layer, cache, positions[:, 0], valid[:, 0], cfg, sliding, interpret=_interpret())

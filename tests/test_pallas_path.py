@@ -38,3 +38,16 @@ def test_pallas_decode_matches_the_reference(weights, tiny_cfg, tiny_params, tin
     # that later layers carry; measured max |diff| 0.026 on logits of magnitude ~4.
     tol = 1e-3 if weights == "bf16" else 0.05
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=tol * float(jnp.abs(ref).max()), rtol=0)
+
+
+def test_decode_step_lowers_for_the_gpu_with_the_planned_kernels(tiny_cfg):
+    """The whole decode step lowers to Triton kernels for CUDA (no GPU needed), one launch per fused block:
+    per layer QKV + attention + output projection, + combine on full layers, + 3 (MoE) or 2 (dense) MLP kernels."""
+    census = pallas_path.kernel_census(tiny_cfg, "nvfp4", batch=1, max_len=64)
+    cfg = tiny_cfg
+    n_full = len(cfg.full_layers)
+    n_moe = sum(cfg.is_moe(i) for i in range(cfg.num_hidden_layers))
+    planned = 3 * cfg.num_hidden_layers + n_full + 3 * n_moe + 2 * (cfg.num_hidden_layers - n_moe)
+    assert census["pallas_kernels"] == planned
+    assert census["by_kernel"]["decode_attention_combine"] == n_full
+    assert census["by_kernel"]["moe_gate_up_nvfp4"] == n_moe
