@@ -20,3 +20,17 @@ def test_generate_runs_and_bad_values_exit_1():
     assert r.stdout.startswith("Hi") and "model:" in r.stderr and "3 tokens" in r.stderr
     r = flint("generate", "--top-p", "0")
     assert r.returncode == 1 and "top_p" in r.stderr
+
+
+def test_chat_one_shot_with_the_default_model_shows_the_tool_call():
+    r = flint("chat", "--message", "How many miles is 43 kilometers?", "--temperature", "0", "--json")
+    assert r.returncode == 0, r.stderr
+    assert "[thinking]" in r.stdout and "[tool call] convert_units(" in r.stdout
+    assert '"finish_reason": "tool_calls"' in r.stdout
+
+
+def test_chat_bad_tools_file_exits_1(tmp_path):
+    bad = tmp_path / "tools.json"
+    bad.write_text("{not json")
+    r = flint("chat", "--message", "hi", "--tools", str(bad))
+    assert r.returncode == 1 and "tools.json: not valid JSON" in r.stderr
