@@ -7,6 +7,15 @@ import os as _os
 # one-shot forward. This must be set before JAX creates its backends; set XLA_FLAGS yourself to override.
 if "xla_allow_excess_precision" not in _os.environ.get("XLA_FLAGS", ""):
     _os.environ["XLA_FLAGS"] = (_os.environ.get("XLA_FLAGS", "") + " --xla_allow_excess_precision=false").strip()
+    try:  # too late if JAX already started a backend in this process: say so instead of failing silently
+        from jax._src import xla_bridge as _xb
+        if _xb._backends:
+            import warnings as _warnings
+            _warnings.warn("flint_jax was imported after JAX started its backends, so XLA may skip BF16 rounding "
+                           "points (results then depend on fusion). Import flint_jax first, or set "
+                           "XLA_FLAGS=--xla_allow_excess_precision=false before starting Python.", stacklevel=2)
+    except ImportError:  # a JAX without that private module: nothing to check
+        pass
 
 # In a plain source checkout on sys.path (no `pip install -e .`, e.g. the GPU machine), the folders pallas_kernels/
 # and convert/ beside this package still import as flint_jax.pallas_kernels and flint_jax.convert. When the package
