@@ -44,11 +44,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import flint_jax  # noqa: E402,F401  (XLA flags before JAX starts)
 
-try:
-    import flint_jax.pallas_kernels  # noqa: E402,F401  (installed: pyproject maps pallas_kernels/ here)
-except ImportError:  # a bare checkout: map the folder the way the package's setup does
-    import importlib
-    sys.modules["flint_jax.pallas_kernels"] = importlib.import_module("pallas_kernels")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
