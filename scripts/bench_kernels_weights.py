@@ -402,13 +402,6 @@ def main():
         for name, n, k, mode in (GEMV_SHAPES[0], GEMV_SHAPES[min(3, len(GEMV_SHAPES) - 1)]):
             for kind in ("nvfp4", "bf16"):
                 tune(name, n, k, mode, kind, 8, m8)
-    if not only or "moe" in only:
-        for kind in ("nvfp4", "bf16"):
-            for m in (1, 8):
-                r = attempt(f"MoE {kind} M={m}", lambda: mlp_case(cfg, kind, m, key, parts=not args.quick))
-                if r:
-                    results["rows"].append(r)
-                save()
     if not only or "dense" in only:
         for kind in ("nvfp4", "bf16"):
             for m in (1, 8):

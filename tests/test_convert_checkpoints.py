@@ -15,7 +15,7 @@ from flint_jax.config import FlintConfig
 from flint_jax.convert import convert, load, names, write_gguf, write_hf
 from flint_jax.model import forward
 from flint_jax.nvfp4 import NVFP4Weight
-from gguf_files import raw_gguf
+from gguf_files import gguf_tensors, raw_gguf
 
 # NVFP4 vs BF16 logits of the tiny random model (every linear quantized, ggml rounding, power-of-two global scales).
 # Each weight alone has ~9.5% relative RMS error (E2M1 with one E4M3 scale per 16 values); through 5 random layers
@@ -321,20 +321,7 @@ def test_load_places_arrays_by_sharding(bf16_files, tiny_cfg):
 
 def test_config_json_supplies_what_metadata_lacks(tmp_path, tiny_cfg, tiny_params):
     """A GGUF without some flint.* keys loads when a config supplies them; a matching config is accepted."""
-    flat = names.flatten(tiny_params)
-    T = gguf.GGMLQuantizationType
-    tensors = {e.gguf: (np.asarray(flat[e.path]).view(np.uint16) if np.asarray(flat[e.path]).dtype ==
-                        ml_dtypes.bfloat16 else np.asarray(flat[e.path]),
-                        T.BF16 if np.asarray(flat[e.path]).dtype == ml_dtypes.bfloat16 else T.F32)
-               for e in names.entries(tiny_cfg)}
-    w = gguf.GGUFWriter(tmp_path / "sparse.gguf", "flint")
-    w.add_uint32("flint.block_count", tiny_cfg.num_hidden_layers)
-    for name, (a, qtype) in tensors.items():
-        w.add_tensor(name, a, raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    raw_gguf(tmp_path / "sparse.gguf", tiny_cfg, gguf_tensors(tiny_cfg, tiny_params), keys={"flint.block_count"})
     cfg_path = tmp_path / "config.json"
     json.dump(tiny_cfg.to_hf(), open(cfg_path, "w"))
     m = load(tmp_path / "sparse.gguf", config=cfg_path)

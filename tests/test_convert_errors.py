@@ -11,27 +11,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from flint_jax import nvfp4
 from flint_jax.convert import CheckpointError, convert, load, names, write_gguf, write_hf
 from flint_jax.convert.cli import main
-from gguf_files import raw_gguf
+from gguf_files import gguf_tensors, raw_gguf
 
 T = gguf.GGMLQuantizationType
-
-
-def gguf_tensors(cfg, params, nvfp4_linears=False):
-    """{name: (array, ggml type)} of a tiny checkpoint, as the gguf package's add_tensor takes them."""
-    flat = names.flatten(params)
-    out = {}
-    for e in names.entries(cfg):
-        x = np.asarray(flat[e.path])
-        if nvfp4_linears and e.linear:
-            out[e.gguf] = (nvfp4.to_gguf_blocks(nvfp4.quantize(x)), T.NVFP4)
-        elif x.dtype == ml_dtypes.bfloat16:
-            out[e.gguf] = (x.view(np.uint16), T.BF16)
-        else:
-            out[e.gguf] = (x, T.F32)
-    return out
 
 
 def expect(match, fn, *args, **kw):
