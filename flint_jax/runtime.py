@@ -5,46 +5,19 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-import jax
-
 from flint_jax.config import FlintConfig
 from flint_jax.params import Params
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as token ids: the tokenizer of the random-weight fallback model (vocab 256). It has the
-    `token_bytes` method that flint_jax.chat.IncrementalDecoder streams from, but no chat special tokens."""
-
-    vocab_size = 256
-    stop_token_ids = ()
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: list[int]) -> str:
-        return bytes(ids).decode("utf-8", errors="replace")
-
-    def token_bytes(self, token: int, skip_special_tokens: bool = False) -> bytes:
-        return bytes([token])
 
 
 @dataclasses.dataclass
 class Runtime:
     cfg: FlintConfig
     params: Params
-    tokenizer: Any  # encode(text) -> ids, decode(ids) -> text, incremental_decoder()
+    tokenizer: Any  # a FlintTokenizer: encode, decode, token_bytes (for IncrementalDecoder), stop_token_ids
     stop_token_ids: tuple[int, ...]
     description: str
     chat_template: str | None = None
     default_tools: list | None = None  # tools offered when the user names none (the demo model's own)
-
-
-def random_tiny_runtime(seed: int = 0) -> Runtime:
-    cfg = FlintConfig.tiny()
-    from flint_jax.params import init_params
-    return Runtime(cfg, init_params(cfg, jax.random.key(seed)), ByteTokenizer(), stop_token_ids=(),
-                   description="FlintConfig.tiny() with RANDOM weights and a byte tokenizer: its output is noise, "
-                               "not a trained model")
 
 
 def load_runtime(spec: str, announce: Callable[[str], None] = lambda m: None) -> Runtime:
