@@ -2,11 +2,14 @@
 
 Two kernels (Pallas, Triton lowering; docs/KERNELS.md "Attention kernels (issue 5)" says why):
 
-* `qkv_projection` -- `rmsnorm(h) @ [Wq; Wk; Wv].T` for B = 1..8 rows in one launch, BF16 or NVFP4 weights.
-  The grid runs over blocks of `BLOCK_N` output rows of the three weights, so a Flint layer gets 160 programs
-  (one program per head would use only 40 of the H200's 132 SMs, and NVFP4 decoding costs ALU work per value).
-  Each program recomputes the input RMSNorm of the (at most 8) rows it needs; the result is rounded to BF16
-  exactly where `layers.linear` rounds, so it is the raw `[B, Hq + 2*KV, D]` Q/K/V before the head norms.
+* `qkv_projection` -- `rmsnorm(h) @ [Wq; Wk; Wv].T` for B = 1..8 rows in one launch, BF16 or NVFP4 weights, on
+  the weight stream of issue 4 (`weight_tiles.stream_rows`, the same K loop and in-register NVFP4 decode as
+  `gemv.gemv`). The grid runs over blocks of output rows of the three weights, sized by `gemv.pick_blocks` for the
+  concatenated [Hq + 2 KV] x D rows (Flint, NVFP4, B = 1: 320 programs of 16 rows). Each program recomputes the
+  input RMSNorm of the (at most 8) rows; the output is rounded to BF16 exactly where `layers.linear` rounds, so it
+  is the raw `[B, Hq + 2*KV, D]` Q/K/V before the head norms. (The first version decoded NVFP4 tiles with a
+  broadcast-reshape of the scales and fed 16-row tensor-core dots: 48.9 us per Flint layer on the H200, against
+  7.7 us for the GEMV kernel on the similar O projection, docs/BENCHMARKS.md.)
 * `attention_prologue` -- the above, then a small kernel that finishes Q/K (per-head RMSNorm, RoPE on sliding
   layers) and writes K, V into the cache in place (`input_output_aliases`). The decode path proper
   (`decode_attention.attention_block_decode`) does not use this second kernel: its attention kernel does the same
@@ -26,129 +29,47 @@ from jax.experimental.pallas import triton as plgpu
 
 from flint_jax import layers as L
 from flint_jax.config import FlintConfig
-from flint_jax.nvfp4 import BLOCK as NVFP4_BLOCK
-from flint_jax.nvfp4 import NVFP4Weight
+from flint_jax.pallas_kernels import gemv as G
+from flint_jax.pallas_kernels import weight_tiles as wt
 from flint_jax.state import FullCache, RingCache, write_full, write_ring
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 
-ROWS = 16  # batch rows padded to the smallest tensor-core M tile; B <= 8 rows are real
-# Projection blocks. Not yet tuned on the GPU (docs/KERNELS.md): fewer, larger K steps because issue 4 measured
-# small-grid GEMVs to be latency-bound per loop step; 8 warps to spread the NVFP4 decode's registers.
-BLOCK_N = 32  # output rows (of Wq/Wk/Wv) per program: 160 programs for Flint
-BLOCK_K_BF16 = 512  # input columns per step, BF16 weights
-BLOCK_K_NVFP4 = 512  # input columns per step, NVFP4 weights (256 code bytes: 256 low + 256 high nibbles)
-NORM_BLOCK = 1024  # input columns per step of the RMSNorm statistics pass
-QKV_WARPS, QKV_STAGES = 8, 3
-# E4M3 scales reach the kernel as float8 and are bitcast to bytes in-kernel (XLA never copies them). If a Triton
-# build rejects float8 loads, set this to True: XLA then bitcasts to uint8 outside (issue 4's GEMV does that).
-SCALES_BITCAST_IN_XLA = False
+ROWS = 16  # query heads of one KV head padded to the smallest tensor-core M tile (attention kernels)
+# Block table override for the projection: None = gemv.pick_blocks on the concatenated [Hq + 2 KV] x D rows.
+QKV_BLOCK: "gemv.Blocks | None" = None
 
 
 def _params(num_warps: int = 4, num_stages: int = 3):
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-# ---- NVFP4 decoding with integer arithmetic (Triton has no FP4 type; no FP8 cast needed either) ----------------
-
-def _e4m3_bits_to_f32(u: jax.Array) -> jax.Array:
-    """E4M3 scale bytes (int32 0..255; bit 7, the sign, ignored: scales are positive) -> f32, exactly."""
-    u = u & 0x7F
-    e, m = u >> 3, u & 7
-    pow2 = jax.lax.bitcast_convert_type(jnp.where(e == 0, 118, e + 117) << 23, F32)  # 2^-9 or 2^(e-10)
-    return jnp.where(e == 0, m, m + 8).astype(F32) * pow2
-
-
-def _e2m1_to_f32(c: jax.Array) -> jax.Array:
-    """4-bit E2M1 codes (int32 0..15) -> f32 values, by building the f32 bit pattern."""
-    mag = c & 7
-    bits = (mag << 22) + 0x3F000000  # exponent e + 126, mantissa bit m: (1 + m/2) * 2^(e-1)
-    bits = jnp.where(mag < 2, mag * 0x3F000000, bits)  # e = 0: 0 or 0.5 (0x3F000000 is 0.5f)
-    bits = bits | ((c & 8) << 28)
-    return jax.lax.bitcast_convert_type(bits, F32)
-
-
-def _scale_bytes(s: jax.Array) -> jax.Array:
-    """E4M3 scales as loaded (float8_e4m3fn, or uint8 with SCALES_BITCAST_IN_XLA) -> their bytes as int32."""
-    if s.dtype != jnp.uint8:
-        s = jax.lax.bitcast_convert_type(s, jnp.uint8)
-    return s.astype(jnp.int32)
-
-
-def _expand_scales(s: jax.Array, n: int) -> jax.Array:
-    """[R, n / 16] f32 scales -> [R, n], each repeated over its 16 values."""
-    r = s.shape[0]
-    return jnp.broadcast_to(s[:, :, None], (r, n // NVFP4_BLOCK, NVFP4_BLOCK)).reshape(r, n)
-
-
 # ---- kernel 1: input RMSNorm + QKV projection ----------------------------------------------------------------
 
-def _qkv_kernel(h_ref, norm_ref, *refs, B, H, eps, kinds, row_blocks, col0, block_k, norm_block):
-    """Program j computes BLOCK_N output columns of one of Q, K, V for all B rows."""
+def _qkv_kernel(x_ref, nw_ref, *refs, spec, mp, blocks, eps, row_blocks, col0):
+    """Program j computes `blocks.bn` output columns of one of Q, K, V for all (padded) rows: the issue-4 weight
+    stream (weight_tiles.stream_rows) with the RMSNorm prologue, one `pl.when` branch per weight."""
     out_ref = refs[-1]
-    wrefs = refs[:-1]
+    n_ops = spec.num_operands
+    wrefs = [refs[i * n_ops:(i + 1) * n_ops] for i in range(3)]
     j = pl.program_id(0)
-    rows = jnp.arange(ROWS)
-    rmask = (rows < B)[:, None]
-
-    def ss_body(i, ss):
-        x = plgpu.load(h_ref.at[pl.ds(0, ROWS), pl.ds(i * norm_block, norm_block)], mask=rmask, other=0).astype(F32)
-        return ss + jnp.sum(x * x, axis=1)
-
-    ss = jax.lax.fori_loop(0, H // norm_block, ss_body, jnp.zeros((ROWS,), F32))
-    inv_rms = jax.lax.rsqrt(ss / H + eps)[:, None]
-
-    def normed(start, n):
-        x = plgpu.load(h_ref.at[pl.ds(0, ROWS), pl.ds(start, n)], mask=rmask, other=0).astype(F32)
-        w = norm_ref[pl.ds(start, n)].astype(F32)
-        return (w[None, :] * (x * inv_rms).astype(BF16).astype(F32)).astype(BF16)
-
-    k = 0
-    for which, kind in enumerate(kinds):
+    bn, bk = blocks.bn, blocks.bk
+    xs = wt.XSource(x_ref, spec.kind, nw_ref, eps)
+    inv = [xs.inv_rms(r, spec.k) for r in range(mp)]
+    for which in range(3):
         lo, hi = row_blocks[which]
-        n_refs = 1 if kind == "bf16" else 3
-        refs_w, k = wrefs[k:k + n_refs], k + n_refs
+        w_refs = wrefs[which]
 
         # pl.when traces its body at once, so the loop variables are bound correctly.
         @pl.when((j >= lo) & (j < hi))
         def _():
-            r0 = (j - lo) * BLOCK_N
-            if kind == "bf16":
-                (w_ref,) = refs_w
-
-                def body(i, acc):
-                    a = normed(i * block_k, block_k)
-                    w = w_ref[pl.ds(r0, BLOCK_N), pl.ds(i * block_k, block_k)]
-                    return acc + plgpu.dot(a, w, trans_b=True)
-
-                acc = jax.lax.fori_loop(0, H // block_k, body, jnp.zeros((ROWS, BLOCK_N), F32))
-            else:
-                c_ref, s_ref, g_ref = refs_w
-                nb = block_k // 2  # code bytes per step; low nibbles are columns [c, c+nb), high [H/2+c, ...)
-                ns = nb // NVFP4_BLOCK
-                half = H // 2
-
-                def body(i, acc):
-                    c0 = i * nb
-                    codes = c_ref[pl.ds(r0, BLOCK_N), pl.ds(c0, nb)].astype(jnp.int32)
-                    s_lo = _scale_bytes(s_ref[pl.ds(r0, BLOCK_N), pl.ds(i * ns, ns)])
-                    s_hi = _scale_bytes(s_ref[pl.ds(r0, BLOCK_N), pl.ds(half // NVFP4_BLOCK + i * ns, ns)])
-                    w_lo = (_e2m1_to_f32(codes & 15) * _expand_scales(_e4m3_bits_to_f32(s_lo), nb)).astype(BF16)
-                    w_hi = (_e2m1_to_f32(codes >> 4) * _expand_scales(_e4m3_bits_to_f32(s_hi), nb)).astype(BF16)
-                    acc = acc + plgpu.dot(normed(c0, nb), w_lo, trans_b=True)
-                    return acc + plgpu.dot(normed(half + c0, nb), w_hi, trans_b=True)
-
-                acc = jax.lax.fori_loop(0, H // block_k, body, jnp.zeros((ROWS, BLOCK_N), F32))
-                acc = acc * g_ref[0]
-            plgpu.store(out_ref.at[pl.ds(0, ROWS), pl.ds(col0[which] + r0, BLOCK_N)], acc.astype(BF16),
-                        mask=rmask)
-
-
-def _weight_args(w):
-    if isinstance(w, NVFP4Weight):
-        scales = jax.lax.bitcast_convert_type(w.scales, jnp.uint8) if SCALES_BITCAST_IN_XLA else w.scales
-        return "nvfp4", [w.codes, scales, jnp.reshape(w.global_scale, (1,)).astype(F32)]
-    return "bf16", [w]
+            n0 = pl.multiple_of((j - lo) * bn, bn)
+            accs = wt.stream_rows([xs] * mp, list(range(mp)), [(spec, w_refs)], [0], n0, bn, bk, inv,
+                                  elementwise=blocks.elementwise, prefetch=blocks.prefetch)
+            gs = wt.global_scale(spec, w_refs, 0)
+            c0 = pl.multiple_of(col0[which] + n0, bn)
+            for r in range(mp):
+                out_ref[r, pl.ds(c0, bn)] = wt.apply_global_scale(accs[r], gs).astype(BF16)
 
 
 def qkv_projection(h: jax.Array, attn_norm: jax.Array, attn, cfg: FlintConfig, interpret: bool = False) -> jax.Array:
@@ -160,35 +81,41 @@ def qkv_projection(h: jax.Array, attn_norm: jax.Array, attn, cfg: FlintConfig, i
         raise ValueError(f"qkv_projection: batch must be 1..8, got {B}")
     if H != cfg.hidden_size:
         raise ValueError(f"qkv_projection: h has {H} features, config says {cfg.hidden_size}")
-    kinds, args, row_blocks, col0 = [], [], [], []
-    blocks = 0
-    for w, n in ((attn.q, Hq * D), (attn.k, KV * D), (attn.v, KV * D)):
-        if tuple(w.shape) != (n, H):
-            raise ValueError(f"qkv_projection: weight shape {tuple(w.shape)}, expected {(n, H)}")
-        if n % BLOCK_N:
-            raise ValueError(f"qkv_projection: {n} output rows is not a multiple of {BLOCK_N}")
-        kind, a = _weight_args(w)
-        kinds.append(kind)
-        args += a
-        row_blocks.append((blocks, blocks + n // BLOCK_N))
-        col0.append(blocks * BLOCK_N)
-        blocks += n // BLOCK_N
-    block_k = BLOCK_K_BF16 if kinds[0] == "bf16" else BLOCK_K_NVFP4
-    block_k = min(block_k, H)
-    if H % block_k:
-        raise ValueError(f"qkv_projection: hidden size {H} is not a multiple of {block_k}")
-    norm_block = min(NORM_BLOCK, H)
-    if H % norm_block:
-        raise ValueError(f"qkv_projection: hidden size {H} is not a multiple of {norm_block}")
-    kernel = functools.partial(_qkv_kernel, B=B, H=H, eps=cfg.rms_norm_eps, kinds=tuple(kinds),
-                               row_blocks=tuple(row_blocks), col0=tuple(col0), block_k=block_k,
-                               norm_block=norm_block)
+    specs, args = [], []
+    for name, w, n in (("q", attn.q, Hq * D), ("k", attn.k, KV * D), ("v", attn.v, KV * D)):
+        spec, ops = wt.weight_operands(w)
+        if (spec.n, spec.k) != (n, H):
+            raise ValueError(f"qkv_projection: weight {name} has shape {(spec.n, spec.k)}, expected {(n, H)}")
+        specs.append(spec)
+        args += ops
+    if len({s.kind for s in specs}) != 1:
+        raise ValueError(f"qkv_projection: q/k/v weights mix kinds {[s.kind for s in specs]}")
+    total = (Hq + 2 * KV) * D
+    mp = wt.pow2_rows(B)
+    blocks = G._as_blocks(wt.WeightSpec(specs[0].kind, 1, total, H), mp, 1, QKV_BLOCK)
+    bn = min(blocks.bn, *(wt.largest_pow2_divisor(s.n, blocks.bn) for s in specs))
+    blocks = blocks._replace(bn=bn)
+    if blocks.dot:
+        raise ValueError("qkv_projection streams on the FMA path (Blocks.dot=False)")
+    row_blocks, col0, start = [], [], 0
+    for s in specs:
+        row_blocks.append((start // bn, (start + s.n) // bn))
+        col0.append(start)
+        start += s.n
+    x = h.astype(BF16)
+    if mp != B:
+        x = jnp.pad(x, ((0, mp - B), (0, 0)))
+    nw = attn_norm.astype(BF16)
+    if specs[0].kind == "nvfp4":
+        nw = nw.reshape(H // wt.GROUP, wt.GROUP)
+    kernel = functools.partial(_qkv_kernel, spec=specs[0], mp=mp, blocks=blocks, eps=float(cfg.rms_norm_eps),
+                               row_blocks=tuple(row_blocks), col0=tuple(col0))
     out = pl.pallas_call(
-        kernel, grid=(blocks,), out_shape=jax.ShapeDtypeStruct((B, (Hq + 2 * KV) * D), BF16),
-        compiler_params=_params(num_warps=QKV_WARPS, num_stages=QKV_STAGES), interpret=interpret,
+        kernel, grid=(total // bn,), out_shape=jax.ShapeDtypeStruct((mp, total), BF16),
+        compiler_params=_params(num_warps=blocks.num_warps, num_stages=blocks.num_stages), interpret=interpret,
         name="qkv_projection",
-    )(h, attn_norm, *args)
-    return out.reshape(B, Hq + 2 * KV, D)
+    )(wt.x_operand(x, specs[0].kind), nw, *args)
+    return out[:B].reshape(B, Hq + 2 * KV, D)
 
 
 # ---- the per-head finishing step, shared with the attention kernel ------------------------------------------------

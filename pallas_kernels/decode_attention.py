@@ -14,12 +14,12 @@ tensor-core tile) and streams that KV head's keys in blocks of BLOCK_K: sliding 
 masked by the stored positions; one split by default, or static slices of it), full layers split the keys
 [0, length) into chunks computed from the length at run time (`split_geometry`: lengths are data, one compiled
 kernel for every length up to max_len). With one split the kernel folds in the sink and writes o; with several it
-writes (acc, max, sum) partials and `combine` folds them and the sink together (or, experimental and off, the
-last-arriving split does: COMBINE_IN_KERNEL).
+writes (acc, max, sum) partials, and either the last-arriving split folds them and the sink together
+(COMBINE_IN_KERNEL, the default) or the `combine` kernel does.
 
-`attention_block_decode` = qkv_projection + fused attention [+ combine] + output projection with the residual:
-three kernels on a sliding layer (four on a full layer: the combine). `model_attention_block` is the same behind
-`model.attention_block`'s signature (T = 1), ready for `model.Blocks`.
+`attention_block_decode` = qkv_projection + fused attention + output projection with the residual: three kernels
+on every layer (plus `combine` on split layers when COMBINE_IN_KERNEL is off). `model_attention_block` is the same
+behind `model.attention_block`'s signature (T = 1), ready for `model.Blocks`.
 """
 
 from __future__ import annotations
@@ -46,18 +46,24 @@ NUM_WARPS, NUM_STAGES = 4, 3
 TARGET_PROGRAMS = 264  # full layers: enough (b, kv, split) programs for 2 waves over the H200's 132 SMs
 MAX_SPLITS = 128
 MIN_CHUNK = 256  # keys per split at least: short contexts use fewer splits (fewer partials written and combined)
-# Experimental, off: fold the split partials inside the attention kernel, in the program that arrives last at a
-# per-(sequence, KV head) atomic counter, instead of launching `combine` (one launch fewer per full layer). Checked
-# in interpret mode only (which cannot show memory-ordering races): measure and verify on the GPU before enabling.
-COMBINE_IN_KERNEL = False
+# Fold the split partials inside the attention kernel, in the program that arrives last at a per-(sequence, KV
+# head) atomic counter, instead of launching `combine`: one launch fewer per full layer, and it lets the sliding
+# layers split their ring (RING_SPLITS) without a fourth kernel. Memory ordering: every thread's partial stores,
+# then a CTA barrier, then one acq_rel atomic per program; the last program reads the partials with volatile loads.
+# Interpret mode cannot show ordering races: the compiled tests on the GPU (scripts/gpu_session.sh) check it.
+COMBINE_IN_KERNEL = True
+# Splits of a sliding layer's ring (513 slots on Flint) when the combine is in the kernel: 8 programs of at most
+# two 64-key blocks per (sequence, KV head) instead of one program walking 9 blocks serially (17.9 us per layer on
+# the H200 at one split: the loop is latency-bound, docs/BENCHMARKS.md).
+RING_SPLITS = 8
 
 
 def default_splits(batch: int, kv_heads: int, sliding: bool) -> int:
-    """Splits of the key range per (sequence, KV head). Sliding layers read one ring (W keys): one program each,
-    which keeps the block at three kernels (splits > 1 work on rings too, at the cost of the combine kernel).
-    Full layers: a power of two giving ~TARGET_PROGRAMS programs."""
+    """Splits of the key range per (sequence, KV head). Sliding layers: RING_SPLITS with the in-kernel combine,
+    else one program each (a split ring would need the combine kernel). Full layers: a power of two giving
+    ~TARGET_PROGRAMS programs."""
     if sliding:
-        return 1
+        return RING_SPLITS if COMBINE_IN_KERNEL else 1
     want = max(1, -(-TARGET_PROGRAMS // (batch * kv_heads)))
     return min(MAX_SPLITS, 1 << (want - 1).bit_length())
 

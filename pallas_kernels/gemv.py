@@ -39,19 +39,25 @@ class Blocks(NamedTuple):
     prefetch: bool = False  # load K step t+1 while computing step t (FMA path; see weight_tiles.stream_rows)
 
 
+# Table knobs (module state read at trace time, so a benchmark can try variants: scripts/profile_decode.py).
+TABLE_BK = 512  # K values per loop step
+TABLE_PREFETCH = False  # register double buffer of the next K step (weight_tiles.stream_rows)
+
+
 def pick_blocks(spec: wt.WeightSpec, m: int, n_weights: int = 1) -> Blocks:
     """Block sizes from a small table (tuned on the H200, docs/KERNELS.md), then shrunk so that N/BN >= 2 x SMs."""
+    bk = TABLE_BK
     if spec.kind == "nvfp4":
-        bn, bk, warps, stages = (32, 512, 4, 3) if m <= 2 else (16, 512, 4, 3)
+        bn, warps, stages = (32, 4, 3) if m <= 2 else (16, 4, 3)
     else:
-        bn, bk, warps, stages = (16, 512, 4, 3) if m <= 2 else (8, 512, 4, 3)
+        bn, warps, stages = (16, 4, 3) if m <= 2 else (8, 4, 3)
     if n_weights > 1:
         bn = max(1, bn // 2)
     min_bn = 8 if spec.kind == "nvfp4" else 4  # thinner blocks waste the decode's and the reduction's lanes
     while bn > min_bn and spec.n // bn < 2 * NUM_SMS:
         bn //= 2
     bn = wt.largest_pow2_divisor(spec.n, bn)
-    return Blocks(bn, wt.k_tile(spec, bk), warps, stages)
+    return Blocks(bn, wt.k_tile(spec, bk), warps, stages, prefetch=TABLE_PREFETCH)
 
 
 def _as_blocks(spec, m, n_weights, block) -> Blocks:

@@ -1,16 +1,23 @@
 #!/usr/bin/env bash
-# Everything GPU-side in one packed device call, each part under its own time limit, most important first:
-#   1. the end-to-end decode benchmark (issue 6): NVFP4, both impls, batch 1, 100K / 8K / 32K / 262K
-#   2. the attention kernels: compiled tests + benchmark (issue 5)
-#   3. the prefill benchmark with its GPU check (issue 7)
-#   4. the weight-streaming kernels: compiled tests + benchmark (issue 4)
-#   5. the end-to-end decode benchmark again for BF16 and batches 2-8, if time is left
+# Everything GPU-side in one packed device call, each part under its own time limit, in the order given.
+#   bash scripts/gpu_session.sh TOTAL_SECONDS [PART ...]
+# Parts (default: tests profile decode prefill weights):
+#   tests     the kernel tests compiled on the GPU (FLINT_PALLAS_COMPILED=1): attention, GEMV, MoE, prefill
+#   profile   device trace of the NVFP4 Pallas decode step at 100K, once per kernel-knob variant ($PROFILE_VARIANTS):
+#             per-kernel time inside the whole step (scripts/profile_decode.py)
+#   profile_bf16  the same for BF16, Pallas and the XLA reference
+#   decode    end-to-end decode benchmark (issue 6): NVFP4 and BF16, both impls, batch 1 and 8, 8K..262K
+#   prefill   8K prefill and 100K TTFT (issue 7), kernels checked against references first
+#   weights   the weight-streaming kernel benchmark (issue 4)
+#   attention the attention kernel benchmark and its sweeps (issue 5)
 # Run from the repo root through the device tool with carry=[".whl"] (the gguf wheel), e.g.
-#   bash scripts/gpu_session.sh 540
+#   bash scripts/gpu_session.sh 560 tests profile
 # Each part writes under a work folder; at the end everything is packed into $OUT/gpu_session.tgz (the device tool
-# returns at most 8 files) and each part's Markdown summary is copied beside it.
+# returns at most 8 files) and the Markdown summaries are copied beside it.
 set -u
 total=${1:-540}
+shift || true
+parts=${*:-tests profile decode prefill weights}
 start=$(date +%s)
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-out}
@@ -23,6 +30,7 @@ fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv > "$work/gpu.txt" 2>&1
 git rev-parse HEAD > "$work/commit.txt" 2>/dev/null || true
+git status --short >> "$work/commit.txt" 2>/dev/null || true
 
 left() { echo $(( total - ($(date +%s) - start) )); }
 part() {  # part NAME SECONDS COMMAND...: run with a limit that never exceeds what is left
@@ -32,20 +40,31 @@ part() {  # part NAME SECONDS COMMAND...: run with a limit that never exceeds wh
   echo "[$name] up to ${budget}s: $*" | tee -a "$work/summary.txt"
   timeout "$budget" "$@" > "$work/$name.log" 2>&1
   echo "[$name] exit $? after $(( $(date +%s) - start ))s total" | tee -a "$work/summary.txt"
-  tail -25 "$work/$name.log"
+  grep -v '^|' "$work/$name.log" | tail -30
 }
 
-part decode_nvfp4 170 python3 scripts/bench_decode.py --out "$work/decode_nvfp4" --weights nvfp4 --impls pallas,xla \
-  --batches 1 --contexts 100000,8192,32768,262144 --xla-points 1:100000 --budget-s 140
-part attention 110 python3 scripts/bench_kernels_attention.py --out "$work/attention"
-part prefill 110 python3 scripts/bench_prefill.py --check --out "$work/prefill" --budget-s 90
-part weights 90 env TESTS=1 TEST_TIMEOUT=40 OUT="$work/weights" bash scripts/gpu_kernels_weights.sh --budget-s 45
-part decode_more 150 python3 scripts/bench_decode.py --out "$work/decode_more" --weights bf16,nvfp4 --impls pallas \
-  --batches 1,8 --contexts 100000,32768 --xla-points 1:100000 --budget-s 120
+for p in $parts; do
+  case $p in
+    tests) part tests 100 env FLINT_PALLAS_COMPILED=1 python3 -m pytest -q -p no:cacheprovider \
+             tests/test_kernels_attention.py tests/test_kernels_gemv.py tests/test_kernels_moe.py ;;
+    profile) part profile 250 python3 scripts/profile_decode.py --out "$work/profile" --weights nvfp4 \
+             --impls pallas --context 100000 --variants "${PROFILE_VARIANTS:-base,prefetch,bk1024,attn_bk128,attn_splits64}" ;;
+    profile_bf16) part profile_bf16 120 python3 scripts/profile_decode.py --out "$work/profile_bf16" \
+             --weights bf16 --impls pallas,xla --context 100000 ;;
+    decode) part decode 330 python3 scripts/bench_decode.py --out "$work/decode" --weights nvfp4,bf16 \
+             --impls pallas,xla --batches 1,8 --contexts 100000,8192,32768,262144 --xla-points 1:100000 \
+             --budget-s 300 ;;
+    prefill) part prefill 200 python3 scripts/bench_prefill.py --check --no-sweep --skip moe,attn --out "$work/prefill" \
+             --budget-s 180 ;;
+    weights) part weights 90 env TESTS=0 OUT="$work/weights" bash scripts/gpu_kernels_weights.sh --budget-s 60 ;;
+    attention) part attention 150 python3 scripts/bench_kernels_attention.py --out "$work/attention" --skip-tests ;;
+    *) echo "unknown part $p" | tee -a "$work/summary.txt" ;;
+  esac
+done
 
 tar czf "$OUT/gpu_session.tgz" -C "$work" .
 cp "$work/summary.txt" "$OUT/"
-for f in decode_nvfp4/results.md decode_more/results.md; do
+for f in profile/profile.md profile_bf16/profile.md decode/results.md prefill/bench_prefill.md; do
   [ -f "$work/$f" ] && cp "$work/$f" "$OUT/$(dirname "$f").md"
 done
 cat "$work/summary.txt"

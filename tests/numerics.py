@@ -19,3 +19,23 @@ def assert_bf16_close(out, ref, max_ulp=1, max_frac=0.02):
     u = bf16_ulps(out, ref)
     assert u.max() <= max_ulp, f"max {u.max()} BF16 ulps"
     assert np.mean(u > 0) <= max_frac, f"{np.mean(u > 0):.3%} of outputs differ"
+
+
+def bf16_ulp_size(x) -> np.ndarray:
+    """The spacing of BF16 numbers at |x| (8 significant bits), in FP32."""
+    a = np.maximum(np.abs(np.asarray(x, np.float32)), np.float32(2.0 ** -126))
+    return np.exp2(np.floor(np.log2(a)) - 7).astype(np.float32)
+
+
+def assert_residual_close(out, ref, residual, max_ulp=1, max_frac=0.02):
+    """`residual + bf16(y)` outputs: the kernel's y may sit `max_ulp` BF16 ulps of y from the reference's (FP32
+    summation order, as in assert_bf16_close), and the residual add rounds once more. Where residual and y cancel,
+    one ulp of y is many ulps of the sum, so the bound is max_ulp * ulp(y) + ulp(sum), with y = ref - residual."""
+    assert out.shape == ref.shape and out.dtype == ref.dtype == jnp.bfloat16
+    o, r = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    assert np.all(np.isfinite(o))
+    y = r - np.asarray(residual, np.float32)
+    bound = max_ulp * bf16_ulp_size(y) + bf16_ulp_size(r)
+    err = np.abs(o - r)
+    assert np.all(err <= bound), f"max error {float((err / bound).max()):.2f} x the bound"
+    assert np.mean(err > 0) <= max_frac, f"{np.mean(err > 0):.3%} of outputs differ"

@@ -99,19 +99,6 @@ def sinks_of(kind):
 
 # ---- prologue ----------------------------------------------------------------------------------------------
 
-def test_nvfp4_bit_decoders_are_exact():
-    """The in-kernel integer decoders against the format module (all 16 codes, every finite E4M3 byte)."""
-    from flint_jax.nvfp4 import E2M1_VALUES
-    codes = jnp.arange(16, dtype=jnp.int32)
-    np.testing.assert_array_equal(np.asarray(AP._e2m1_to_f32(codes)), E2M1_VALUES)
-    assert np.signbit(np.asarray(AP._e2m1_to_f32(codes)))[8]  # code 8 is -0.0, as in E2M1_VALUES
-    b = np.array([x for x in range(128) if x != 0x7F], np.uint8)  # positive scales; 0x7F is NaN in e4m3fn
-    want = b.view(jnp.float8_e4m3fn).astype(np.float32)
-    np.testing.assert_array_equal(np.asarray(AP._e4m3_bits_to_f32(jnp.asarray(b, jnp.int32))), want)
-    f8 = jnp.asarray(b).view(jnp.float8_e4m3fn)
-    np.testing.assert_array_equal(np.asarray(AP._scale_bytes(f8)), b.astype(np.int32))
-
-
 # Both weight kinds and both cache kinds, without the full cross product (interpret-mode compiles are slow).
 @pytest.mark.parametrize("weights,sliding", [("nvfp4", True), ("bf16", False)], ids=["ring-nvfp4", "full-bf16"])
 def test_attention_prologue(weights, sliding):
@@ -183,7 +170,7 @@ def test_decode_attention_full(splits, min_chunk, sink):
 
 
 def test_default_splits():
-    assert DA.default_splits(1, 4, sliding=True) == 1
+    assert DA.default_splits(1, 4, sliding=True) == (DA.RING_SPLITS if DA.COMBINE_IN_KERNEL else 1)
     assert DA.default_splits(1, 4, sliding=False) == 128  # 264 programs wanted -> 66 splits -> power of two
     assert DA.default_splits(8, 4, sliding=False) == 16
 
@@ -262,9 +249,11 @@ def test_kernels_lower_to_triton_for_h200(monkeypatch):
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-def test_experimental_combine_in_kernel(monkeypatch):
-    """COMBINE_IN_KERNEL (off by default): the last split folds the partials; same results, and it lowers."""
-    monkeypatch.setattr(DA, "COMBINE_IN_KERNEL", True)
+@pytest.mark.parametrize("in_kernel", [True, False], ids=["combine-in-kernel", "combine-kernel"])
+def test_combine_modes(monkeypatch, in_kernel):
+    """Both ways of folding the split partials (the last-arriving split, or the `combine` kernel) give the
+    reference's results, and the lowering launches `combine` only in the second."""
+    monkeypatch.setattr(DA, "COMBINE_IN_KERNEL", in_kernel)
     attend = _jit(DA.decode_attention, "cfg", "sliding", "splits", "min_chunk")  # a fresh trace sees the flag
     check = functools.partial(check_attention, sink="large", sliding=False, splits=4, min_chunk=128)
     globals_attend = globals()["attend_k"]
@@ -281,4 +270,37 @@ def test_experimental_combine_in_kernel(monkeypatch):
     fn = lambda c: DA.attention_block_decode(h, layer, c, jnp.array([3, 40]), jnp.array([True, True]), CFG,  # noqa
                                              False, 4, 64)
     text = jax.jit(fn).trace(full_cache(jax.random.key(0), 2)).lower(lowering_platforms=("cuda",)).as_text()
-    assert "decode_attention_combine" not in text
+    assert ("decode_attention_combine" in text) != in_kernel
+
+
+@pytest.mark.parametrize("weights", ["bf16", "nvfp4"])
+def test_attention_block_decode_split_ring(weights):
+    """A sliding layer whose ring is split over several programs (200 slots, RING_SPLITS splits of 64: four
+    hold keys), fused finish + write + attend, two steps, against the reference."""
+    cfg = CFG.replace(sliding_window=200)
+    layer = params(weights).layers[0]
+    lengths = [0, 64, 199, 200, 777]
+    B = len(lengths)
+    cache = cache_ref = ring_cache(jax.random.key(30), [n - 1 for n in lengths], cfg)
+    pos = jnp.asarray(lengths, jnp.int32)
+    for step in range(2):
+        h = jax.random.normal(jax.random.key(31 + step), (B, cfg.hidden_size)).astype(jnp.bfloat16)
+        active = jnp.array([True, True, step == 0, True, True])
+        got, cache = block_k(h, layer, cache, pos, active, cfg=cfg, sliding=True)
+        ref, cache_ref = block_r(h, layer, cache_ref, pos, active, cfg=cfg, sliding=True)
+        assert_out_close(got, ref)
+        assert_ulp_close(cache.k, cache_ref.k)
+        np.testing.assert_array_equal(np.asarray(cache.pos), np.asarray(cache_ref.pos))
+        pos = pos + active.astype(jnp.int32)
+
+
+@pytest.mark.parametrize("weights", ["nvfp4", "bf16"])
+@pytest.mark.parametrize("B", [1, 3, 8])
+def test_qkv_projection(weights, B):
+    """The projection kernel alone (RMSNorm prologue + Q, K, V weights in one grid) against the reference."""
+    layer = params(weights).layers[0]
+    h = (3 * jax.random.normal(jax.random.key(40 + B), (B, CFG.hidden_size))).astype(jnp.bfloat16)
+    got = qkv_k(h, layer.attn_norm, layer.attn, cfg=CFG)
+    want = AP.ref_qkv_projection(h, layer.attn_norm, layer.attn, CFG)
+    assert got.shape == (B, CFG.num_attention_heads + 2 * CFG.num_key_value_heads, CFG.head_dim)
+    assert_ulp_close(got, want)

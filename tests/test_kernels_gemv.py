@@ -20,7 +20,7 @@ import pytest
 from flint_jax import layers, nvfp4
 from flint_jax.pallas_kernels import gemv as G
 from flint_jax.pallas_kernels import weight_tiles as wt
-from numerics import assert_bf16_close
+from numerics import assert_bf16_close, assert_residual_close
 from kernel_mode import INTERPRET
 
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -61,7 +61,7 @@ def test_gemv_norm_residual(kind, m):
     x, nw, res = inputs(m, m, n, k)
     w = make_weight(jax.random.PRNGKey(10 + m), n, k, kind)
     out = G.gemv(x, w, norm_weight=nw, residual=res, interpret=INTERPRET)
-    assert_bf16_close(out, G.ref_gemv(x, w, norm_weight=nw, residual=res))
+    assert_residual_close(out, G.ref_gemv(x, w, norm_weight=nw, residual=res), res)
 
 
 @pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
@@ -88,7 +88,7 @@ def test_gemv_tensor_core_path(kind):
                                        G.gemv_logits(x, w, norm_weight=nw, interpret=INTERPRET, block=blk),
                                        G.gemv_swiglu(x, w, w, interpret=INTERPRET, block=blk)))
     out, logits, act = f(x, w, nw, res)
-    assert_bf16_close(out, G.ref_gemv(x, w, norm_weight=nw, residual=res))
+    assert_residual_close(out, G.ref_gemv(x, w, norm_weight=nw, residual=res), res)
     ref = layers.logits_from_hidden(x, nw, w, 1e-5)
     np.testing.assert_allclose(np.asarray(logits), np.asarray(ref), rtol=0, atol=1e-5 * float(jnp.max(jnp.abs(ref))))
     assert_bf16_close(act, G.ref_gemv_swiglu(x, w, w))

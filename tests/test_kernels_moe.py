@@ -18,7 +18,7 @@ import pytest
 from flint_jax import FlintConfig, layers, nvfp4, params
 from flint_jax.pallas_kernels import moe_experts as X
 from flint_jax.pallas_kernels import router as R
-from numerics import assert_bf16_close
+from numerics import assert_bf16_close, assert_residual_close
 from kernel_mode import INTERPRET
 
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -114,7 +114,7 @@ def test_route_top_k_ties_and_bias(case):
 def test_moe_block_matches_mlp_block(kind, m):
     layer = layer_of(kind)
     h = hidden(100 + m, m)
-    assert_bf16_close(run_block(kernel_block, h, layer, CFG), run_block(layers.mlp_block, h, layer, CFG))
+    assert_residual_close(run_block(kernel_block, h, layer, CFG), run_block(layers.mlp_block, h, layer, CFG), h)
 
 
 @pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
@@ -126,7 +126,7 @@ def test_moe_block_without_shared_expert_and_scaled_weights(kind):
     layer = params.Layer(None, None, layer.mlp_norm,
                          params.MoE(moe.router, moe.router_bias, moe.gate, moe.up, moe.down, None, None, None))
     h = hidden(5, 2).reshape(2, 1, -1)
-    assert_bf16_close(run_block(kernel_block, h, layer, cfg), run_block(layers.mlp_block, h, layer, cfg))
+    assert_residual_close(run_block(kernel_block, h, layer, cfg), run_block(layers.mlp_block, h, layer, cfg), h)
 
 
 @pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
@@ -134,7 +134,7 @@ def test_moe_block_without_shared_expert_and_scaled_weights(kind):
 def test_dense_mlp_block_matches_mlp_block(kind, m):
     layer = layer_of(kind, moe=False)
     h = hidden(200 + m, m)
-    assert_bf16_close(run_block(kernel_block, h, layer, CFG), run_block(layers.mlp_block, h, layer, CFG))
+    assert_residual_close(run_block(kernel_block, h, layer, CFG), run_block(layers.mlp_block, h, layer, CFG), h)
 
 
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
@@ -165,5 +165,5 @@ def test_one_compiled_kernel_serves_every_routing():
     ids2 = R.ref_route(h2, layer.mlp.router, layer.mlp.router_bias, CFG, norm_weight=layer.mlp_norm)[0]
     assert not np.array_equal(np.asarray(ids1), np.asarray(ids2))
     for h in (h1, h2):
-        assert_bf16_close(f(h), layers.mlp_block(h, layer, CFG))
+        assert_residual_close(f(h), layers.mlp_block(h, layer, CFG), h)
     assert f._cache_size() == 1
