@@ -15,10 +15,11 @@ masked by the stored positions; one split by default, or static slices of it), f
 [0, length) into chunks computed from the length at run time (`split_geometry`: lengths are data, one compiled
 kernel for every length up to max_len). With one split the kernel folds in the sink and writes o; with several it
 writes (acc, max, sum) partials, and either the last-arriving split folds them and the sink together
-(COMBINE_IN_KERNEL, the default) or the `combine` kernel does.
+(COMBINE_IN_KERNEL, for at most MAX_SPLITS_IN_KERNEL splits: the sliding layers' 8) or the `combine` kernel does
+(full layers at B = 1: 128 splits).
 
 `attention_block_decode` = qkv_projection + fused attention + output projection with the residual: three kernels
-on every layer (plus `combine` on split layers when COMBINE_IN_KERNEL is off). `model_attention_block` is the same
+on a sliding layer, four on a full layer split more than MAX_SPLITS_IN_KERNEL ways (the combine). `model_attention_block` is the same
 behind `model.attention_block`'s signature (T = 1), ready for `model.Blocks`.
 """
 
@@ -56,6 +57,11 @@ COMBINE_IN_KERNEL = True
 # two 64-key blocks per (sequence, KV head) instead of one program walking 9 blocks serially (17.9 us per layer on
 # the H200 at one split: the loop is latency-bound, docs/BENCHMARKS.md).
 RING_SPLITS = 8
+# The last-arriving program folds at most this many splits (FOLD_SPLITS per load); more splits (full layers at
+# long contexts: 128 at B = 1) go to the `combine` kernel, which folds them in parallel over (sequence, head)
+# programs: one program folding 128 splits cost 113 us per layer at 100K on the H200 (docs/BENCHMARKS.md).
+MAX_SPLITS_IN_KERNEL = 16
+FOLD_SPLITS = 4
 
 
 def default_splits(batch: int, kv_heads: int, sliding: bool) -> int:
@@ -210,12 +216,18 @@ def _attn_kernel(*refs, mode, ring, sliding, B, Hq, KV, G, D, window, n_slots, s
                 big = jnp.where(jnp.isfinite(big), big, 0.0)
                 denom = jnp.sum(ll * jnp.exp(mm - big[:, None]), axis=1) + jnp.exp(sink - big)
 
-                def fold(i, o):
-                    a = plgpu.load(acc_ref.at[b, heads, i, :], mask=gmask, other=0, volatile=True)
-                    mi = plgpu.load(m_ref.at[b, heads, i], mask=gmask[:, 0], other=NEG_INF, volatile=True)
-                    return o + a * jnp.exp(mi - big)[:, None]
+                C = min(splits, FOLD_SPLITS)
 
-                o = jax.lax.fori_loop(0, n_active, fold, jnp.zeros((ROWS, D), F32))
+                def fold(c, o):  # C splits' partials in one [ROWS, C, D] load, not C dependent loads
+                    idx = c * C + jnp.arange(C)
+                    live2 = gmask & (idx < n_active)[None, :]
+                    a = plgpu.load(acc_ref.at[b, heads, pl.ds(c * C, C), :], mask=live2[:, :, None], other=0,
+                                   volatile=True)
+                    mi = plgpu.load(m_ref.at[b, heads, pl.ds(c * C, C)], mask=live2, other=NEG_INF, volatile=True)
+                    return o + jnp.sum(a * jnp.exp(mi - big[:, None])[:, :, None], axis=1)
+
+                zero = jnp.zeros((ROWS, D), F32)
+                o = fold(0, zero) if splits <= C else jax.lax.fori_loop(0, pl.cdiv(n_active, C), fold, zero)
                 plgpu.store(o_ref.at[b, heads, :], (o / denom[:, None]).astype(BF16), mask=gmask)
 
 
@@ -267,7 +279,7 @@ def _attention_call(mode, first_args, cache, positions, active, sinks, cfg, slid
         raise ValueError(f"min_chunk must be a multiple of BLOCK_K={BLOCK_K}, got {min_chunk}")
     cache_in = [cache.k, cache.v] + ([cache.pos] if ring else [])
     args = [*first_args, positions.astype(jnp.int32), active.astype(jnp.int32), sinks.astype(F32), *cache_in]
-    combine_here = splits > 1 and COMBINE_IN_KERNEL
+    combine_here = splits > 1 and COMBINE_IN_KERNEL and splits <= MAX_SPLITS_IN_KERNEL
     partials = [jax.ShapeDtypeStruct((B, Hq, splits, D), F32), jax.ShapeDtypeStruct((B, Hq, splits), F32),
                 jax.ShapeDtypeStruct((B, Hq, splits), F32)]
     aliases = {}

@@ -3,6 +3,7 @@
 #   bash scripts/gpu_session.sh TOTAL_SECONDS [PART ...]
 # Parts (default: tests profile decode prefill weights):
 #   tests     the kernel tests compiled on the GPU (FLINT_PALLAS_COMPILED=1): attention, GEMV, MoE, prefill
+#   tests_fold  only the compiled tests of the split-partials fold (in-kernel combine, split rings)
 #   profile   device trace of the NVFP4 Pallas decode step at 100K, once per kernel-knob variant ($PROFILE_VARIANTS):
 #             per-kernel time inside the whole step (scripts/profile_decode.py)
 #   profile_bf16  the same for BF16, Pallas and the XLA reference
@@ -47,15 +48,17 @@ for p in $parts; do
   case $p in
     tests) part tests 100 env FLINT_PALLAS_COMPILED=1 python3 -m pytest -q -p no:cacheprovider \
              tests/test_kernels_attention.py tests/test_kernels_gemv.py tests/test_kernels_moe.py ;;
+    tests_fold) part tests_fold 50 env FLINT_PALLAS_COMPILED=1 python3 -m pytest -q -p no:cacheprovider \
+             tests/test_kernels_attention.py -k "combine or split_ring or ring_split" ;;
     profile) part profile 250 python3 scripts/profile_decode.py --out "$work/profile" --weights nvfp4 \
              --impls pallas --context 100000 --variants "${PROFILE_VARIANTS:-base,prefetch,bk1024,attn_bk128,attn_splits64}" ;;
     profile_bf16) part profile_bf16 120 python3 scripts/profile_decode.py --out "$work/profile_bf16" \
              --weights bf16 --impls pallas,xla --context 100000 ;;
-    decode) part decode 330 python3 scripts/bench_decode.py --out "$work/decode" --weights nvfp4,bf16 \
-             --impls pallas,xla --batches 1,8 --contexts 100000,8192,32768,262144 --xla-points 1:100000 \
-             --budget-s 300 ;;
-    prefill) part prefill 200 python3 scripts/bench_prefill.py --check --no-sweep --skip moe,attn --out "$work/prefill" \
-             --budget-s 180 ;;
+    decode) part decode ${DECODE_LIMIT:-330} python3 scripts/bench_decode.py --out "$work/decode" --weights nvfp4,bf16 \
+             --impls pallas,xla --batches ${DECODE_BATCHES:-1,8} --contexts 100000,8192,32768,262144 \
+             --xla-points 1:100000 --budget-s ${DECODE_BUDGET:-300} ;;
+    prefill) part prefill ${PREFILL_LIMIT:-200} python3 scripts/bench_prefill.py --check --no-sweep --skip moe,attn --out "$work/prefill" \
+             --budget-s ${PREFILL_BUDGET:-180} ;;
     weights) part weights 90 env TESTS=0 OUT="$work/weights" bash scripts/gpu_kernels_weights.sh --budget-s 60 ;;
     attention) part attention 150 python3 scripts/bench_kernels_attention.py --out "$work/attention" --skip-tests ;;
     *) echo "unknown part $p" | tee -a "$work/summary.txt" ;;

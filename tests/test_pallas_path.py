@@ -42,14 +42,15 @@ def test_pallas_decode_matches_the_reference(weights, tiny_cfg, tiny_params, tin
 
 def test_decode_step_lowers_for_the_gpu_with_the_planned_kernels(tiny_cfg):
     """The whole decode step lowers to Triton kernels for CUDA (no GPU needed), one launch per fused block:
-    per layer QKV + attention + output projection (the split partials are folded in the attention kernel; with
-    COMBINE_IN_KERNEL off, + a combine kernel on full layers), + 3 (MoE) or 2 (dense) MLP kernels."""
+    per layer QKV + attention + output projection, + a combine kernel on full layers split more ways than the
+    attention kernel folds itself (DA.MAX_SPLITS_IN_KERNEL), + 3 (MoE) or 2 (dense) MLP kernels."""
     from flint_jax.pallas_kernels import decode_attention as DA
     census = pallas_path.kernel_census(tiny_cfg, "nvfp4", batch=1, max_len=64)
     cfg = tiny_cfg
     n_full = len(cfg.full_layers)
     n_moe = sum(cfg.is_moe(i) for i in range(cfg.num_hidden_layers))
-    n_combine = 0 if DA.COMBINE_IN_KERNEL else n_full
+    splits = DA.default_splits(1, cfg.num_key_value_heads, sliding=False)
+    n_combine = 0 if DA.COMBINE_IN_KERNEL and splits <= DA.MAX_SPLITS_IN_KERNEL else n_full
     planned = 3 * cfg.num_hidden_layers + n_combine + 3 * n_moe + 2 * (cfg.num_hidden_layers - n_moe)
     assert census["pallas_kernels"] == planned
     assert census["by_kernel"].get("decode_attention_combine", 0) == n_combine
