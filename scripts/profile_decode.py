@@ -3,7 +3,8 @@
 Builds the full-shape model with synthetic weights (as `bench_decode.py` does), compiles the decode forward for one
 (weights, impl, batch, context), runs a few steps under `jax.profiler.trace`, and reads the GPU kernel events back
 from the Perfetto trace: per kernel name the launches per step, the mean and total microseconds, and the share of
-the step; plus the step's wall time against the sum of its kernel times (the rest is launch gaps).
+the step; the step's device time (first kernel start to last kernel end, flint_jax.device_trace) and its wall time
+(which includes the host's dispatch when the host is the slower side).
 
     python scripts/profile_decode.py --out /tmp/prof --weights nvfp4 --impl pallas --context 8192
     python scripts/profile_decode.py --tiny --out /tmp/prof      # CPU smoke run (no GPU events: says so)
@@ -16,12 +17,8 @@ data and the same cache state, rather than in an isolated micro-benchmark.
 from __future__ import annotations
 
 import argparse
-import collections
-import glob
-import gzip
 import json
 import os
-import re
 import sys
 import time
 
@@ -33,6 +30,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from bench_decode import count_kernels, log, make_steps, random_state, time_steps  # noqa: E402
+from flint_jax import device_trace  # noqa: E402
 from flint_jax.config import FlintConfig  # noqa: E402
 from flint_jax.params import init_params  # noqa: E402
 
@@ -71,39 +69,6 @@ class variant:
     def __exit__(self, *exc):
         for m, a, v in self.old:
             setattr(m, a, v)
-
-
-def kernel_events(trace_dir: str) -> list[dict]:
-    """Complete events ('X') of the device's processes in the newest perfetto trace under trace_dir."""
-    files = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True),
-                   key=os.path.getmtime)
-    if not files:
-        raise FileNotFoundError(f"no perfetto_trace.json.gz under {trace_dir}")
-    with gzip.open(files[-1]) as f:
-        trace = json.load(f)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
-    device_pids = {pid for pid, n in names.items() if re.search(r"/device:(GPU|gpu)", n)}
-    threads = {(e["pid"], e.get("tid")): e.get("args", {}).get("name", "") for e in events
-               if e.get("ph") == "M" and e.get("name") == "thread_name" and e["pid"] in device_pids}
-    # Kernels sit on the "Stream #..." threads; "XLA Ops"/"XLA Modules" threads repeat them at op level.
-    streams = {k for k, n in threads.items() if n.startswith("Stream")}
-    log(f"device threads: {sorted(set(threads.values()))}")
-    return [e for e in events if e.get("ph") == "X" and e.get("pid") in device_pids and "dur" in e
-            and (not streams or (e["pid"], e.get("tid")) in streams)]
-
-
-def summarize(events: list[dict], steps: int) -> dict:
-    by_name = collections.defaultdict(list)
-    for e in events:
-        by_name[e["name"]].append(float(e["dur"]))
-    total = sum(sum(v) for v in by_name.values())
-    rows = []
-    for name, durs in sorted(by_name.items(), key=lambda kv: -sum(kv[1])):
-        rows.append({"name": name, "per_step": len(durs) / steps, "mean_us": sum(durs) / len(durs),
-                     "us_per_step": sum(durs) / steps, "share": sum(durs) / total if total else 0.0})
-    return {"kernel_us_per_step": total / steps, "launches_per_step": len(events) / steps, "rows": rows}
 
 
 def short(name: str, n: int = 70) -> str:
@@ -147,25 +112,30 @@ def main(argv=None) -> int:
                     log(f"{tag}: {ms:.3f} ms per step")
                     tdir = os.path.join(args.out, f"trace_{weights}_{impl}_{vname}")
                     lengths = jnp.full((args.batch,), context, jnp.int32)
-                    with jax.profiler.trace(tdir, create_perfetto_trace=True):
+                    state_box = [state]
+
+                    def steps():
                         out = None
                         for _ in range(args.steps):
-                            out, state = forward(params, state, tokens, lengths)
-                        jax.block_until_ready(out)
+                            out, state_box[0] = forward(params, state_box[0], tokens, lengths)
+                        return out
+
+                    events = device_trace.trace_kernels(steps, tdir)
+                    state = state_box[0]
             except Exception as e:  # noqa: BLE001  (one failing variant must not lose the others)
                 log(f"{tag}: failed: {type(e).__name__}: {str(e)[:500]}")
                 md += [f"## {tag}: failed: {type(e).__name__}: {str(e)[:300]}", ""]
                 continue
-            try:
-                s = summarize(kernel_events(tdir), args.steps)
-            except (FileNotFoundError, KeyError, ValueError) as e:
-                log(f"no device events read: {e}")
-                s = {"kernel_us_per_step": 0.0, "launches_per_step": 0, "rows": []}
-            s.update(weights=weights, impl=impl, variant=vname, step_ms=ms, kernels=kernels)
+            s = device_trace.summarize(events, args.steps)
+            dev = device_trace.device_ms(events, args.steps)
+            if dev is None:
+                log(f"{tag}: no device events in the trace")
+            s.update(weights=weights, impl=impl, variant=vname, step_ms=ms, device_ms=dev, kernels=kernels)
             report["runs"].append(s)
-            md += [f"## {tag}: {ms:.3f} ms per step, {kernels} kernel-launching ops in the program; "
-                   f"trace: {s['launches_per_step']:.0f} kernels per step, {s['kernel_us_per_step']:.0f} us of "
-                   f"kernel time per step ({100 * s['kernel_us_per_step'] / 1e3 / ms:.0f}% of the step)", "",
+            dev_txt = f"{dev:.3f} ms on the device" if dev is not None else "no device trace"
+            md += [f"## {tag}: {dev_txt} per step ({ms:.3f} ms wall clock), {kernels} kernel-launching ops in the "
+                   f"program; trace: {s['launches_per_step']:.0f} kernels per step, {s['kernel_us_per_step']:.0f} us "
+                   f"of kernel time per step", "",
                    "| kernel | per step | mean us | us per step | share |", "|---|---|---|---|---|"]
             for r in s["rows"][:25]:
                 md.append(f"| `{short(r['name'])}` | {r['per_step']:.0f} | {r['mean_us']:.1f} | "

@@ -1,0 +1,88 @@
+"""Device-side timing of jitted steps from a `jax.profiler` trace: what the GPU did, without the host's share.
+
+Wall-clock timing of a decode step measures the host too: at batch 1 the H200 runs Flint's step in ~3.6 ms, while the
+host spends about as long dispatching it (argument handling for ~1,900 parameter and state buffers, the CUDA-graph
+update; docs/BENCHMARKS.md), so wall time per step is noisy and mixes the two. This module runs a few steps under the
+profiler and reads the GPU kernel events back from the Perfetto trace:
+
+    events = trace_kernels(lambda: step_n_times(), trace_dir)
+    spans = step_spans(events, steps=5)       # per step: first kernel start -> last kernel end (ms)
+    table = summarize(events, steps=5)        # per kernel name: launches, mean/total us per step
+
+Steps are split by count (every step launches the same kernels). On the CPU the trace has no device events:
+`trace_kernels` returns an empty list and callers report "no device trace".
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import statistics
+from typing import Callable
+
+import jax
+
+
+def read_kernel_events(trace_dir: str) -> list[dict]:
+    """Kernel events ('X' on the device's "Stream #..." threads) of the newest perfetto trace under trace_dir,
+    sorted by start time. Empty when the trace has no device process (CPU runs)."""
+    files = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True),
+                   key=os.path.getmtime)
+    if not files:
+        raise FileNotFoundError(f"no perfetto_trace.json.gz under {trace_dir}")
+    with gzip.open(files[-1]) as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    procs = {e["pid"]: e.get("args", {}).get("name", "") for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    device = {pid for pid, n in procs.items() if re.search(r"/device:(GPU|gpu)", n)}
+    threads = {(e["pid"], e.get("tid")): e.get("args", {}).get("name", "") for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name" and e["pid"] in device}
+    # Kernels sit on the "Stream #..." threads; "XLA Ops"/"XLA Modules" threads repeat them at op level.
+    streams = {k for k, n in threads.items() if n.startswith("Stream")}
+    out = [e for e in events if e.get("ph") == "X" and e.get("pid") in device and "dur" in e
+           and (not streams or (e["pid"], e.get("tid")) in streams)]
+    return sorted(out, key=lambda e: float(e["ts"]))
+
+
+def trace_kernels(run: Callable[[], object], trace_dir: str) -> list[dict]:
+    """Run `run()` (which must block until its work is done) under the profiler; its kernel events."""
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        jax.block_until_ready(run())
+    return read_kernel_events(trace_dir)
+
+
+def step_spans(events: list[dict], steps: int) -> list[float]:
+    """Milliseconds from the first kernel's start to the last kernel's end of each of `steps` equal-count steps."""
+    if not events or len(events) % steps:
+        return []
+    n = len(events) // steps
+    spans = []
+    for i in range(steps):
+        s = events[i * n:(i + 1) * n]
+        end = max(float(e["ts"]) + float(e["dur"]) for e in s)
+        spans.append((end - float(s[0]["ts"])) / 1e3)
+    return spans
+
+
+def device_ms(events: list[dict], steps: int) -> float | None:
+    """Median device span of a step (ms), or None without device events."""
+    spans = step_spans(events, steps)
+    return statistics.median(spans) if spans else None
+
+
+def summarize(events: list[dict], steps: int) -> dict:
+    """Per kernel name: launches per step, mean us, us per step and share of the kernel time."""
+    by_name = collections.defaultdict(list)
+    for e in events:
+        by_name[e["name"]].append(float(e["dur"]))
+    total = sum(sum(v) for v in by_name.values())
+    rows = [{"name": name, "per_step": len(d) / steps, "mean_us": sum(d) / len(d), "us_per_step": sum(d) / steps,
+             "share": sum(d) / total if total else 0.0}
+            for name, d in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))]
+    return {"kernel_us_per_step": total / steps, "launches_per_step": len(events) / steps, "rows": rows,
+            "step_spans_ms": step_spans(events, steps)}

@@ -1,0 +1,47 @@
+"""flint_jax.device_trace on a hand-written Perfetto trace: the GPU's stream kernels only, split into steps."""
+import gzip
+import json
+
+from flint_jax import device_trace
+
+
+def write_trace(tmp_path, steps=3):
+    meta = [
+        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
+        {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "pid": 2, "tid": 7, "name": "thread_name", "args": {"name": "Stream #14(Compute)"}},
+        {"ph": "M", "pid": 2, "tid": 8, "name": "thread_name", "args": {"name": "XLA Ops"}},
+    ]
+    ev = []
+    t = 1000.0
+    for _ in range(steps):
+        for name, dur in (("qkv_projection", 7.5), ("attn", 11.0), ("moe_down", 7.0)):
+            ev.append({"ph": "X", "pid": 2, "tid": 7, "name": name, "ts": t, "dur": dur})
+            ev.append({"ph": "X", "pid": 2, "tid": 8, "name": name + " op", "ts": t, "dur": dur})  # op-level copy
+            t += dur + 2.0  # 2 us launch gap inside the step
+        ev.append({"ph": "X", "pid": 1, "tid": 1, "name": "PjitFunction(forward)", "ts": t, "dur": 900.0})
+        t += 900.0  # host-bound gap between steps
+    d = tmp_path / "plugins" / "profile" / "run"
+    d.mkdir(parents=True)
+    with gzip.open(d / "perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": meta + ev}, f)
+    return str(tmp_path)
+
+
+def test_reads_stream_kernels_and_step_spans(tmp_path):
+    events = device_trace.read_kernel_events(write_trace(tmp_path))
+    assert [e["name"] for e in events[:3]] == ["qkv_projection", "attn", "moe_down"]
+    assert len(events) == 9  # the host event and the "XLA Ops" copies are not kernels
+    spans = device_trace.step_spans(events, 3)
+    # within a step: 7.5 + 2 + 11 + 2 + 7 us; the 900 us host gap between steps is not device time
+    assert spans == [0.0295] * 3
+    assert device_trace.device_ms(events, 3) == 0.0295
+    table = device_trace.summarize(events, 3)
+    assert table["launches_per_step"] == 3
+    assert table["rows"][0]["name"] == "attn" and table["rows"][0]["us_per_step"] == 11.0
+
+
+def test_steps_that_do_not_divide_give_no_spans(tmp_path):
+    events = device_trace.read_kernel_events(write_trace(tmp_path))
+    assert device_trace.step_spans(events, 4) == []
+    assert device_trace.device_ms(events, 4) is None
