@@ -22,6 +22,7 @@ import functools
 import json
 import os
 import re
+import shutil
 import statistics
 import sys
 import time
@@ -158,6 +159,7 @@ def device_time(step, params, state, tokens, extra, context: int, trace_dir: str
         return out
 
     events = device_trace.trace_kernels(run, trace_dir)
+    shutil.rmtree(trace_dir, ignore_errors=True)  # a few MB per point; scripts/profile_decode.py keeps its traces
     return device_trace.device_ms(events, steps), box[0]
 
 
