@@ -41,3 +41,8 @@ def test_profile_decode_rejects_unknown_variant(tmp_path):
     p = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "profile_decode.py"), "--tiny", "--out",
                         str(tmp_path), "--variants", "nonsense"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert p.returncode != 0 and "unknown variant 'nonsense'" in (p.stdout + p.stderr)
+
+
+def test_dispatch_overhead_runs():
+    out = run_script("dispatch_overhead.py", "--iters", "2")
+    assert "nvfp4: " in out and "bf16: " in out and "parameter buffers" in out
