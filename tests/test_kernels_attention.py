@@ -275,10 +275,12 @@ def test_combine_modes(monkeypatch, in_kernel, fold):
     assert ("decode_attention_combine" in text) != in_kernel
 
 
-@pytest.mark.parametrize("weights", ["bf16", "nvfp4"])
-def test_attention_block_decode_split_ring(weights):
-    """A sliding layer whose ring is split over several programs (200 slots, RING_SPLITS splits of 64: four
-    hold keys), fused finish + write + attend, two steps, against the reference."""
+@pytest.mark.parametrize("weights,ring_splits", [("bf16", 8), ("nvfp4", 8), ("nvfp4", 16)])
+def test_attention_block_decode_split_ring(monkeypatch, weights, ring_splits):
+    """A sliding layer whose ring is split over several programs (200 slots in chunks of 64: four hold keys, the
+    rest fold as empty), fused finish + write + attend, two steps, against the reference."""
+    monkeypatch.setattr(DA, "RING_SPLITS", ring_splits)
+    block_k = _jit(DA.attention_block_decode, "cfg", "sliding", "splits", "min_chunk")  # a fresh trace
     cfg = CFG.replace(sliding_window=200)
     layer = params(weights).layers[0]
     lengths = [0, 64, 199, 200, 777]
