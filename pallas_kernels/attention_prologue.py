@@ -37,7 +37,7 @@ F32, BF16 = jnp.float32, jnp.bfloat16
 
 ROWS = 16  # query heads of one KV head padded to the smallest tensor-core M tile (attention kernels)
 # Block table override for the projection: None = gemv.pick_blocks on the concatenated [Hq + 2 KV] x D rows.
-QKV_BLOCK: "gemv.Blocks | None" = None
+QKV_BLOCK: "G.Blocks | None" = None
 
 
 def _params(num_warps: int = 4, num_stages: int = 3):
@@ -92,7 +92,7 @@ def qkv_projection(h: jax.Array, attn_norm: jax.Array, attn, cfg: FlintConfig, i
         raise ValueError(f"qkv_projection: q/k/v weights mix kinds {[s.kind for s in specs]}")
     total = (Hq + 2 * KV) * D
     mp = wt.pow2_rows(B)
-    blocks = G._as_blocks(wt.WeightSpec(specs[0].kind, 1, total, H), mp, 1, QKV_BLOCK)
+    blocks = G.resolve_blocks(wt.WeightSpec(specs[0].kind, 1, total, H), mp, 1, QKV_BLOCK)
     bn = min(blocks.bn, *(wt.largest_pow2_divisor(s.n, blocks.bn) for s in specs))
     blocks = blocks._replace(bn=bn)
     if blocks.dot:

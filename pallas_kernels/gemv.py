@@ -60,7 +60,8 @@ def pick_blocks(spec: wt.WeightSpec, m: int, n_weights: int = 1) -> Blocks:
     return Blocks(bn, wt.k_tile(spec, bk), warps, stages, prefetch=TABLE_PREFETCH)
 
 
-def _as_blocks(spec, m, n_weights, block) -> Blocks:
+def resolve_blocks(spec, m, n_weights, block) -> Blocks:
+    """The blocks a kernel runs with: the table's (`pick_blocks`), or `block` fitted to the shape."""
     if block is None:
         return pick_blocks(spec, m, n_weights)
     b = Blocks(*block)
@@ -129,7 +130,7 @@ def _call(x, ws, *, norm_weight, eps, residual, interpret, mode, block):
     if not 1 <= m <= 8:
         raise ValueError(f"gemv serves M = 1..8 rows, got {m}")
     mp = wt.pow2_rows(m)
-    blocks = _as_blocks(spec, mp, len(ws), block)
+    blocks = resolve_blocks(spec, mp, len(ws), block)
     if blocks.dot:
         mp = 16
     operands = [wt.x_operand(_pad_rows(x.astype(BF16), mp), spec.kind)]
