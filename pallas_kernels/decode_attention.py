@@ -19,8 +19,8 @@ writes (acc, max, sum) partials, and either the last-arriving split folds them a
 (full layers at B = 1: 128 splits).
 
 `attention_block_decode` = qkv_projection + fused attention + output projection with the residual: three kernels
-on a sliding layer, four on a full layer split more than MAX_SPLITS_IN_KERNEL ways (the combine). `model_attention_block` is the same
-behind `model.attention_block`'s signature (T = 1), ready for `model.Blocks`.
+on a sliding layer, four on a full layer split more than MAX_SPLITS_IN_KERNEL ways (the combine).
+`model_attention_block` is the same behind `model.attention_block`'s signature (T = 1), ready for `model.Blocks`.
 """
 
 from __future__ import annotations
