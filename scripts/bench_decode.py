@@ -146,9 +146,8 @@ def time_steps(step, params, state, tokens, extra, iters: int, context: int):
     return statistics.median(ts) * 1e3, state
 
 
-def device_time(step, params, state, tokens, extra, context: int, trace_dir: str, steps: int = 5):
-    """Median device time per step (ms; None without device events) from a profiler trace of `steps` steps, and
-    the state. The GPU-side figure: wall time also counts the host's dispatch when the host is slower."""
+def trace_steps(step, params, state, tokens, extra, context: int, trace_dir: str, steps: int = 5):
+    """Run `steps` steps at `context` under the profiler: (their kernel events, the state)."""
     lengths = jnp.full((tokens.shape[0],), context, jnp.int32)
     box = [state]
 
@@ -158,9 +157,15 @@ def device_time(step, params, state, tokens, extra, context: int, trace_dir: str
             out, box[0] = step(params, box[0], tokens, lengths, *extra)
         return out
 
-    events = device_trace.trace_kernels(run, trace_dir)
+    return device_trace.trace_kernels(run, trace_dir), box[0]
+
+
+def device_time(step, params, state, tokens, extra, context: int, trace_dir: str, steps: int = 5):
+    """Median device time per step (ms; None without device events) from a profiler trace of `steps` steps, and
+    the state. The GPU-side figure: wall time also counts the host's dispatch when the host is slower."""
+    events, state = trace_steps(step, params, state, tokens, extra, context, trace_dir, steps)
     shutil.rmtree(trace_dir, ignore_errors=True)  # a few MB per point; scripts/profile_decode.py keeps its traces
-    return device_trace.device_ms(events, steps), box[0]
+    return device_trace.device_ms(events, steps), state
 
 
 def expected_expert_fraction(cfg: FlintConfig, batch: int) -> float:
@@ -248,9 +253,10 @@ def main(argv=None) -> int:
                 for ctx in ctxs:
                     if over_budget():
                         break
-                    fwd_ms, state = time_steps(forward, params, state, tokens, (), args.iters, ctx)
+                    # The AOT executable itself: calling `forward` would compile the same program a second time.
+                    fwd_ms, state = time_steps(compiled, params, state, tokens, (), args.iters, ctx)
                     tdir = os.path.join(args.out, "traces", f"{weights}_{impl}_b{batch}_{ctx}")
-                    dev_ms, state = device_time(forward, params, state, tokens, (), ctx, tdir)
+                    dev_ms, state = device_time(compiled, params, state, tokens, (), ctx, tdir)
                     point = {"weights": weights, "impl": impl, "batch": batch, "context": ctx,
                              "forward_wall_ms": fwd_ms, "forward_device_ms": dev_ms, "kernels": kernels,
                              "bytes": bytes_per_step(cfg, weights, batch, ctx)}

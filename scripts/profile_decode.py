@@ -29,7 +29,7 @@ import flint_jax  # noqa: E402,F401  (XLA flags before JAX starts)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from bench_decode import count_kernels, log, make_steps, random_state, time_steps  # noqa: E402
+from bench_decode import count_kernels, log, make_steps, random_state, time_steps, trace_steps  # noqa: E402
 from flint_jax import device_trace  # noqa: E402
 from flint_jax.config import FlintConfig  # noqa: E402
 from flint_jax.params import init_params  # noqa: E402
@@ -110,20 +110,11 @@ def main(argv=None) -> int:
                     compiled = forward.lower(params, state, tokens, state.lengths).compile()
                     kernels = count_kernels(compiled)
                     log(f"{tag}: compiled in {time.time() - t:.1f}s, {kernels} kernel-launching ops")
-                    ms, state = time_steps(forward, params, state, tokens, (), 20, context)
+                    # The AOT executable itself: calling `forward` would compile the same program a second time.
+                    ms, state = time_steps(compiled, params, state, tokens, (), 20, context)
                     log(f"{tag}: {ms:.3f} ms per step")
                     tdir = os.path.join(args.out, f"trace_{weights}_{impl}_{vname}")
-                    lengths = jnp.full((args.batch,), context, jnp.int32)
-                    state_box = [state]
-
-                    def steps():
-                        out = None
-                        for _ in range(args.steps):
-                            out, state_box[0] = forward(params, state_box[0], tokens, lengths)
-                        return out
-
-                    events = device_trace.trace_kernels(steps, tdir)
-                    state = state_box[0]
+                    events, state = trace_steps(compiled, params, state, tokens, (), context, tdir, args.steps)
             except Exception as e:  # noqa: BLE001  (one failing variant must not lose the others)
                 log(f"{tag}: failed: {type(e).__name__}: {str(e)[:500]}")
                 md += [f"## {tag}: failed: {type(e).__name__}: {str(e)[:300]}", ""]
