@@ -27,6 +27,8 @@ import statistics
 import sys
 import time
 
+import numpy as np
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import flint_jax  # noqa: E402,F401  (XLA flags before JAX starts)
@@ -83,30 +85,31 @@ def count_kernels(compiled) -> int:
     return n
 
 
-def random_state(cfg: FlintConfig, batch: int, max_len: int, context: int, key) -> KVState:
-    """A state holding `context` tokens per sequence, with random K/V (never time on zeros)."""
-    KV, D, W = cfg.num_key_value_heads, cfg.head_dim, cfg.sliding_window
+@functools.partial(jax.jit, static_argnums=(1,))
+def _normal_bf16(key, shape):
+    return jax.random.normal(key, shape, jnp.bfloat16)
 
-    @jax.jit
-    def make(key):
-        layers = []
-        for i in range(cfg.num_hidden_layers):
-            key, k1, k2 = jax.random.split(key, 3)
-            if cfg.is_sliding(i):
-                shape = (batch, KV, W, D)
-                slot_pos = jnp.arange(W)
-                # slot s holds the latest position p < context with p % W == s
-                pos = context - 1 - ((context - 1 - slot_pos) % W)
-                pos = jnp.where(pos >= 0, pos, -1).astype(jnp.int32)
-                layers.append(RingCache(jax.random.normal(k1, shape, jnp.bfloat16),
-                                        jax.random.normal(k2, shape, jnp.bfloat16),
-                                        jnp.broadcast_to(pos, (batch, W))))
-            else:
-                shape = (batch, KV, max_len, D)
-                layers.append(FullCache(jax.random.normal(k1, shape, jnp.bfloat16),
-                                        jax.random.normal(k2, shape, jnp.bfloat16)))
-        return KVState(tuple(layers), jnp.full((batch,), context, jnp.int32))
-    return make(key)
+
+def random_state(cfg: FlintConfig, batch: int, max_len: int, context: int, key) -> KVState:
+    """A state holding `context` tokens per sequence, with random K/V (never time on zeros). One small program per
+    cache shape, called per layer: a single jit over all 49 layers took minutes to compile at batch 8 (run of
+    2026-11-29, 14:02), on the device's clock."""
+    KV, D, W = cfg.num_key_value_heads, cfg.head_dim, cfg.sliding_window
+    slot_pos = np.arange(W)
+    # slot s holds the latest position p < context with p % W == s
+    pos = context - 1 - ((context - 1 - slot_pos) % W)
+    pos = np.ascontiguousarray(np.broadcast_to(np.where(pos >= 0, pos, -1).astype(np.int32), (batch, W)))
+    layers = []
+    for i in range(cfg.num_hidden_layers):
+        key, k1, k2 = jax.random.split(key, 3)
+        if cfg.is_sliding(i):
+            shape = (batch, KV, W, D)
+            # a buffer per layer: the step donates the state, and a buffer may be donated once
+            layers.append(RingCache(_normal_bf16(k1, shape), _normal_bf16(k2, shape), jnp.array(pos)))
+        else:
+            shape = (batch, KV, max_len, D)
+            layers.append(FullCache(_normal_bf16(k1, shape), _normal_bf16(k2, shape)))
+    return KVState(tuple(layers), jnp.full((batch,), context, jnp.int32))
 
 
 def make_steps(cfg: FlintConfig, impl: str):
@@ -161,11 +164,13 @@ def trace_steps(step, params, state, tokens, extra, context: int, trace_dir: str
 
 
 def device_time(step, params, state, tokens, extra, context: int, trace_dir: str, steps: int = 5):
-    """Median device time per step (ms; None without device events) from a profiler trace of `steps` steps, and
-    the state. The GPU-side figure: wall time also counts the host's dispatch when the host is slower."""
+    """Median device time per step (ms; None without device events), kernels launched per step (None likewise)
+    from a profiler trace of `steps` steps, and the state. The GPU-side figure: wall time also counts the host's
+    dispatch when the host is slower."""
     events, state = trace_steps(step, params, state, tokens, extra, context, trace_dir, steps)
     shutil.rmtree(trace_dir, ignore_errors=True)  # a few MB per point; scripts/profile_decode.py keeps its traces
-    return device_trace.device_ms(events, steps), state
+    kernels = len(events) // steps if events and len(events) % steps == 0 else None
+    return device_trace.device_ms(events, steps), kernels, state
 
 
 def expected_expert_fraction(cfg: FlintConfig, batch: int) -> float:
@@ -249,16 +254,20 @@ def main(argv=None) -> int:
                 lowered = forward.lower(params, state, tokens, state.lengths)
                 compiled = lowered.compile()
                 kernels = count_kernels(compiled)
-                log(f"{weights}/{impl} B={batch}: compiled forward in {time.time() - t:.1f}s, {kernels} kernels")
+                log(f"{weights}/{impl} B={batch}: compiled forward in {time.time() - t:.1f}s")
                 for ctx in ctxs:
                     if over_budget():
                         break
                     # The AOT executable itself: calling `forward` would compile the same program a second time.
                     fwd_ms, state = time_steps(compiled, params, state, tokens, (), args.iters, ctx)
                     tdir = os.path.join(args.out, "traces", f"{weights}_{impl}_b{batch}_{ctx}")
-                    dev_ms, state = device_time(compiled, params, state, tokens, (), ctx, tdir)
+                    dev_ms, launched, state = device_time(compiled, params, state, tokens, (), ctx, tdir)
                     point = {"weights": weights, "impl": impl, "batch": batch, "context": ctx,
-                             "forward_wall_ms": fwd_ms, "forward_device_ms": dev_ms, "kernels": kernels,
+                             "forward_wall_ms": fwd_ms, "forward_device_ms": dev_ms,
+                             # launched per step in the trace where there is one; else the compiled program's
+                             # entry instructions (an undercount: command-buffer calls hide their kernels)
+                             "kernels": launched if launched is not None else kernels,
+                             "kernels_source": "trace" if launched is not None else "hlo_entry",
                              "bytes": bytes_per_step(cfg, weights, batch, ctx)}
                     # The headline is the device time (the GPU's work per step); wall time where no trace.
                     point["forward_ms"] = dev_ms if dev_ms is not None else fwd_ms
@@ -266,13 +275,15 @@ def main(argv=None) -> int:
                     point["hbm_fraction"] = point["roofline_ms"] / point["forward_ms"]
                     if batch == 1 and ctx in (100_000, max(ctxs)):
                         srv_ms, state = time_steps(served, params, state, tokens, (keys,), args.iters, ctx)
-                        srv_dev, state = device_time(served, params, state, tokens, (keys,), ctx, tdir + "_served")
+                        srv_dev, srv_kernels, state = device_time(served, params, state, tokens, (keys,), ctx,
+                                                                  tdir + "_served")
+                        point["served_kernels"] = srv_kernels
                         point["served_wall_ms"] = srv_ms
                         point["served_device_ms"] = srv_dev
                         point["served_ms"] = srv_dev if srv_dev is not None else srv_ms
                     results["points"].append(point)
                     dev_txt = f"{dev_ms:.3f} ms device, " if dev_ms is not None else ""
-                    log(f"  ctx {ctx:>6}: forward {dev_txt}{fwd_ms:.3f} ms wall"
+                    log(f"  ctx {ctx:>6}: forward {dev_txt}{fwd_ms:.3f} ms wall, {point['kernels']} kernels"
                         + (f", served {point['served_ms']:.3f} ms" if "served_ms" in point else "")
                         + f", {point['bytes'] / 1e9:.2f} GB -> {100 * point['hbm_fraction']:.0f}% of HBM")
                     with open(os.path.join(args.out, "results.json"), "w") as f:

@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     flint = FlintConfig.flint()
     cfg = FlintConfig.tiny(num_hidden_layers=flint.num_hidden_layers, layer_types=flint.layer_types,
-                           first_k_dense_replace=flint.first_k_dense_replace, hidden_size=64, head_dim=16,
+                           first_k_dense_replace=flint.first_k_dense_replace, hidden_size=64, head_dim=32,
                            intermediate_size=64, moe_intermediate_size=64, vocab_size=64)
     print(f"device {jax.devices()[0].device_kind}, impl {args.impl}, {cfg.num_hidden_layers} layers (tiny widths)")
     for weights in ("nvfp4", "bf16"):

@@ -9,6 +9,7 @@
 #   profile_bf16  the same for BF16, Pallas and the XLA reference
 #   decode    end-to-end decode benchmark (issue 6): NVFP4 and BF16, both impls, batch 1 and 8, 8K..262K
 #   prefill   8K prefill and 100K TTFT (issue 7), kernels checked against references first
+#   tune      device time of each weight-streaming kernel over a grid of block settings (scripts/tune_weight_kernels.py)
 #   dispatch  host dispatch cost of the decode step at Flint's buffer count (scripts/dispatch_overhead.py)
 #   weights   the weight-streaming kernel benchmark (issue 4)
 #   attention the attention kernel benchmark and its sweeps (issue 5)
@@ -60,6 +61,8 @@ for p in $parts; do
              --xla-points 1:100000 --budget-s ${DECODE_BUDGET:-300} ;;
     prefill) part prefill ${PREFILL_LIMIT:-200} python3 scripts/bench_prefill.py --check --no-sweep --skip moe,attn --out "$work/prefill" \
              --budget-s ${PREFILL_BUDGET:-180} ;;
+    tune) part tune ${TUNE_LIMIT:-240} python3 scripts/tune_weight_kernels.py --out "$work/tune" \
+             --budget-s $(( ${TUNE_LIMIT:-240} - 20 )) ;;
     dispatch) part dispatch ${DISPATCH_LIMIT:-90} sh -c 'python3 scripts/dispatch_overhead.py --impl pallas && python3 scripts/dispatch_overhead.py --impl xla' ;;
     weights) part weights 90 env TESTS=0 OUT="$work/weights" bash scripts/gpu_kernels_weights.sh --budget-s 60 ;;
     attention) part attention 150 python3 scripts/bench_kernels_attention.py --out "$work/attention" --skip-tests ;;

@@ -46,3 +46,11 @@ def test_profile_decode_rejects_unknown_variant(tmp_path):
 def test_dispatch_overhead_runs():
     out = run_script("dispatch_overhead.py", "--iters", "2")
     assert "nvfp4: " in out and "bf16: " in out and "parameter buffers" in out
+
+
+def test_tune_weight_kernels_tiny(tmp_path):
+    run_script("tune_weight_kernels.py", "--tiny", "--out", str(tmp_path))
+    rows = json.loads((tmp_path / "tune.json").read_text())["rows"]
+    assert {r["case"] for r in rows} == {"qkv", "o", "gate_up", "down", "router"}
+    assert all(r.get("ran") for r in rows), [r for r in rows if not r.get("ran")]
+    assert sum(r["block"] == "table" for r in rows) == 5  # the table's choice and one grid setting per kernel
