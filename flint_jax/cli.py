@@ -29,6 +29,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="decode path: the XLA reference or the fused Pallas kernels (default: xla)")
     p.add_argument("--max-len", type=int, default=None,
                    help="longest sequence a request may reach (default: min(2048, the model's context))")
+    p.add_argument("--steps-per-dispatch", type=int, default=1,
+                   help="decode steps per device call: more hide the host's per-call cost on a GPU; tokens then "
+                        "print in bursts of this many (default: 1)")
 
 
 def resolve_max_len(args, rt) -> int:
@@ -65,7 +68,8 @@ def run_generate(args) -> int:
     prompt_ids = rt.tokenizer.encode(text)
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                               max_tokens=args.max_tokens, seed=args.seed, stop_token_ids=rt.stop_token_ids)
-    engine = Engine(rt.cfg, rt.params, max_batch=1, max_len=resolve_max_len(args, rt), impl=args.impl)
+    engine = Engine(rt.cfg, rt.params, max_batch=1, max_len=resolve_max_len(args, rt), impl=args.impl,
+                    steps_per_dispatch=args.steps_per_dispatch)
     decoder = IncrementalDecoder(rt.tokenizer)
     sys.stdout.write(args.prompt if not args.chat else "")
     t0 = time.perf_counter()

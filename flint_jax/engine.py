@@ -1,9 +1,15 @@
 """A generation engine for up to 8 concurrent requests over one hybrid KV state.
 
 Each request owns a slot (a row of the state). New requests are prefilled in chunks (several new requests share a
-chunk call), then all active slots decode together one token per step. A finished request frees its slot for the
-next one in the queue. Two jitted programs do all device work: `prefill_chunk` and `decode`, each over the donated
-state; sampling runs inside them so a step returns token ids, not logits.
+chunk call), then all active slots decode together. A finished request frees its slot for the next one in the queue.
+Jitted programs do all device work: `prefill_chunk`, and `decode_steps` (`steps_per_dispatch` decode steps in one
+program, each step's sampled token feeding the next on the device), each over the donated state; sampling runs
+inside them so a call returns token ids, not logits. `decode` is the single step with caller-supplied keys.
+
+Why several steps per dispatch: on the GPU the host needs about as long to dispatch one step (~2,000 argument
+buffers and a CUDA-graph update) as the device needs to run it (docs/BENCHMARKS.md, "Host overhead"), so one step
+per call makes served tokens/s host-bound. The host stops each request at its first stop token or `max_tokens`
+and discards the rest of the burst; the device only guarantees that no row writes past its length limit.
 """
 
 from __future__ import annotations
@@ -43,25 +49,64 @@ class TokenEvent:
     finish_reason: str | None = None
 
 
+def token_keys(keys: jax.Array, generated: jax.Array) -> jax.Array:
+    """The sampling key of each row's next token: fold_in(request key, tokens the request has generated so far).
+    keys [B] PRNG keys, generated [B] int. The one convention for prefill and decode, so a request's tokens do not
+    depend on how its steps are grouped into calls."""
+    return jax.vmap(jax.random.fold_in)(keys, generated)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("state",))
 def prefill_chunk(params: Params, state: KVState, tokens: jax.Array, n_new: jax.Array, keys: jax.Array,
                   temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, cfg: FlintConfig,
                   impl: str = "xla"):
-    """One prefill chunk for every row (n_new[b] = 0 leaves row b untouched). Returns (next token per row, sampled
-    from the logits at the row's last real token, and the new state)."""
+    """One prefill chunk for every row (n_new[b] = 0 leaves row b untouched). keys [B]: each request's own key (its
+    first token uses `token_keys(keys, 0)`). Returns (next token per row, sampled from the logits at the row's last
+    real token, and the new state)."""
     h, state = M.model_step(params, state, tokens, n_new, cfg, impl=impl)
     logits = M.lm_logits(params, M.last_hidden(h, n_new), cfg)
+    return sample(logits, token_keys(keys, jnp.zeros_like(n_new)), temperature, top_k, top_p), state
+
+
+def _decode_step(params, state, tokens, active, keys, temperature, top_k, top_p, cfg, impl):
+    h, state = M.model_step(params, state, tokens[:, None], active.astype(jnp.int32), cfg, impl=impl)
+    logits = M.lm_logits(params, h[:, 0], cfg)
     return sample(logits, keys, temperature, top_k, top_p), state
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("state",))
 def decode(params: Params, state: KVState, tokens: jax.Array, active: jax.Array, keys: jax.Array,
            temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, cfg: FlintConfig, impl: str = "xla"):
-    """One decode step: tokens [B] at each row's next position (inactive rows are left untouched). Returns (next
-    token per row, new state)."""
-    h, state = M.model_step(params, state, tokens[:, None], active.astype(jnp.int32), cfg, impl=impl)
-    logits = M.lm_logits(params, h[:, 0], cfg)
-    return sample(logits, keys, temperature, top_k, top_p), state
+    """One decode step: tokens [B] at each row's next position (inactive rows are left untouched), sampled with
+    the given keys [B]. Returns (next token per row, new state)."""
+    return _decode_step(params, state, tokens, active, keys, temperature, top_k, top_p, cfg, impl)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "impl", "num_steps"), donate_argnames=("state",))
+def decode_steps(params: Params, state: KVState, tokens: jax.Array, active: jax.Array, limits: jax.Array,
+                 keys: jax.Array, generated: jax.Array, temperature: jax.Array, top_k: jax.Array,
+                 top_p: jax.Array, cfg: FlintConfig, impl: str = "xla", num_steps: int = 1):
+    """`num_steps` decode steps in one program; each step's sampled token is the next step's input.
+
+    tokens [B]: each row's last token (not yet in the state). active [B] bool. limits [B] int: row b runs a step
+    only while lengths[b] < limits[b] (clamped to the state's max_len), so it never writes at or past limits[b];
+    after that it is left untouched like an inactive row. keys [B]: each request's own key; generated [B]: tokens
+    it has produced so far, so step i samples with `token_keys(keys, generated + i)`, as one step per call would.
+    Returns (tokens [num_steps, B] int32, -1 where a row did not run, new state). The host applies stop tokens.
+
+    The steps are an unrolled Python loop, not `lax.scan`: XLA on the GPU captures only straight-line programs in
+    a CUDA graph, and the whole burst then costs one dispatch."""
+    if state.max_len:
+        limits = jnp.minimum(limits, state.max_len)
+    out = []
+    for i in range(num_steps):
+        with jax.named_scope(f"step{i}"):
+            live = active & (state.lengths < limits)
+            nxt, state = _decode_step(params, state, tokens, live, token_keys(keys, generated + i), temperature,
+                                      top_k, top_p, cfg, impl)
+        out.append(jnp.where(live, nxt, -1))
+        tokens = nxt
+    return jnp.stack(out), state
 
 
 @dataclasses.dataclass
@@ -69,7 +114,6 @@ class _Slot:
     request: int
     prompt: list[int]
     sampling: SamplingParams
-    key: jax.Array
     submitted: float
     tokens: list[int] = dataclasses.field(default_factory=list)
     first_token_at: float = 0.0
@@ -81,21 +125,30 @@ class Engine:
 
     max_batch: concurrent requests (<= 8). max_len: longest sequence (prompt + output) a slot can hold.
     chunk_size: prompt tokens per prefill call. impl: "xla" (reference) or "pallas" (fused decode kernels).
+    steps_per_dispatch: decode steps per device call (one compiled program); tokens then stream in bursts of this
+    many, and a request's tokens are the same for any value (see `decode_steps`). More steps amortise the host's
+    dispatch cost; a request that stops mid-burst wastes the rest of that burst's compute on its row.
     tokenizer / chat_template: needed only by `chat` (a FlintTokenizer; a GGUF's template, else the project's).
     """
 
     def __init__(self, cfg: FlintConfig, params: Params, *, max_batch: int = MAX_BATCH, max_len: int = 2048,
-                 chunk_size: int = 256, impl: str = "xla", tokenizer=None, chat_template: str | None = None):
+                 chunk_size: int = 256, impl: str = "xla", steps_per_dispatch: int = 1, tokenizer=None,
+                 chat_template: str | None = None):
         if not 1 <= max_batch <= MAX_BATCH:
             raise ValueError(f"max_batch must be in [1, {MAX_BATCH}] (the low-latency path serves at most "
                              f"{MAX_BATCH} concurrent requests), got {max_batch}")
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        if isinstance(steps_per_dispatch, bool) or not isinstance(steps_per_dispatch, (int, np.integer)) \
+                or steps_per_dispatch < 1:
+            raise ValueError(f"steps_per_dispatch must be an integer >= 1, got {steps_per_dispatch!r}")
         if impl not in ("xla", "pallas"):
             raise ValueError(f"impl must be 'xla' or 'pallas', got {impl!r}")
         self.cfg, self.params = cfg, params
         self.max_batch, self.max_len, self.chunk_size, self.impl = max_batch, max_len, chunk_size, impl
+        self.steps_per_dispatch = int(steps_per_dispatch)
         self.state = init_state(cfg, max_batch, max_len)
+        self.keys = jax.random.split(jax.random.key(0), max_batch)  # [B] each slot's request key, set at its start
         self.tokenizer, self.chat_template = tokenizer, chat_template
         if impl == "pallas":
             from flint_jax import pallas_path
@@ -160,7 +213,8 @@ class Engine:
                 if slots[b] is None and queue:
                     r = queue.pop(0)
                     s = sampling[r]
-                    slots[b] = _Slot(r, [int(t) for t in prompts[r]], s, jax.random.key(s.seed), time.perf_counter())
+                    slots[b] = _Slot(r, [int(t) for t in prompts[r]], s, time.perf_counter())
+                    self.keys = self.keys.at[b].set(jax.random.key(s.seed))
                     fresh.append(b)
             if fresh:
                 mask = np.zeros(self.max_batch, bool)
@@ -172,19 +226,19 @@ class Engine:
                 yield from self._decode(slots, active, results)
 
     def _settings(self, slots, rows):
+        """(temperature, top_k, top_p) per row, as numpy: host prep stays free of eager device ops."""
         B = self.max_batch
         temp, top_k, top_p = np.zeros(B, np.float32), np.zeros(B, np.int32), np.ones(B, np.float32)
-        keys = [jax.random.key(0)] * B
         for b in rows:
-            s = slots[b]
-            temp[b], top_k[b], top_p[b] = s.sampling.temperature, s.sampling.top_k, s.sampling.top_p
-            keys[b] = jax.random.fold_in(s.key, len(s.tokens))
-        return jnp.stack(keys), jnp.asarray(temp), jnp.asarray(top_k), jnp.asarray(top_p)
+            s = slots[b].sampling
+            temp[b], top_k[b], top_p[b] = s.temperature, s.top_k, s.top_p
+        return temp, top_k, top_p
 
     def _prefill(self, slots, rows, results):
         C, B = self.chunk_size, self.max_batch
         while True:
-            pending = [b for b in rows if slots[b].prefilled < len(slots[b].prompt)]
+            # A request whose first token ends it (max_tokens 1, or a stop token) has already freed its slot.
+            pending = [b for b in rows if slots[b] is not None and slots[b].prefilled < len(slots[b].prompt)]
             if not pending:
                 return
             tokens, n_new = np.zeros((B, C), np.int32), np.zeros(B, np.int32)
@@ -193,7 +247,7 @@ class Engine:
                 part = s.prompt[s.prefilled:s.prefilled + C]
                 tokens[b, :len(part)], n_new[b] = part, len(part)
                 s.prefilled += len(part)
-            nxt, self.state = prefill_chunk(self.params, self.state, jnp.asarray(tokens), jnp.asarray(n_new),
+            nxt, self.state = prefill_chunk(self.params, self.state, tokens, n_new, self.keys,
                                             *self._settings(slots, pending), cfg=self.cfg, impl=self.impl)
             nxt = np.asarray(nxt)
             for b in pending:
@@ -202,15 +256,25 @@ class Engine:
                     yield from self._emit(slots, b, int(nxt[b]), results)
 
     def _decode(self, slots, rows, results):
+        """One `decode_steps` call, then its tokens in step order; a request that finishes mid-burst frees its slot
+        and the rest of its row is discarded."""
         B = self.max_batch
         tokens, active = np.zeros(B, np.int32), np.zeros(B, bool)
+        limits, generated = np.zeros(B, np.int32), np.zeros(B, np.int32)
         for b in rows:
-            tokens[b], active[b] = slots[b].tokens[-1], True
-        nxt, self.state = decode(self.params, self.state, jnp.asarray(tokens), jnp.asarray(active),
-                                 *self._settings(slots, rows), cfg=self.cfg, impl=self.impl)
-        nxt = np.asarray(nxt)
-        for b in rows:
-            yield from self._emit(slots, b, int(nxt[b]), results)
+            s = slots[b]
+            tokens[b], active[b], generated[b] = s.tokens[-1], True, len(s.tokens)
+            # The state holds prompt + generated - 1 tokens; the request's last token is its max_tokens-th, sampled
+            # by the step that writes position prompt + max_tokens - 2, so no step may start at this length.
+            limits[b] = len(s.prompt) + s.sampling.max_tokens - 1
+        out, self.state = decode_steps(self.params, self.state, tokens, active, limits, self.keys, generated,
+                                       *self._settings(slots, rows), cfg=self.cfg, impl=self.impl,
+                                       num_steps=self.steps_per_dispatch)
+        out = np.asarray(out)
+        for step in out:
+            for b in rows:
+                if slots[b] is not None:
+                    yield from self._emit(slots, b, int(step[b]), results)
 
     def _emit(self, slots, b, token, results):
         s = slots[b]

@@ -157,6 +157,6 @@ class Model:
         return self.tokenizer_metadata.get("tokenizer.chat_template")
 
     def engine(self, **kwargs):
-        """An `Engine` over this model (kwargs: max_batch, max_len, chunk_size, impl)."""
+        """An `Engine` over this model (kwargs: max_batch, max_len, chunk_size, impl, steps_per_dispatch)."""
         from flint_jax.engine import Engine
         return Engine(self.cfg, self.params, tokenizer=self.tokenizer, chat_template=self.chat_template, **kwargs)

@@ -1,0 +1,127 @@
+"""Several decode steps per dispatch (`Engine(steps_per_dispatch=n)`, `engine.decode_steps`): a request's tokens,
+finish reason and streamed events are the same for every n; only how they are grouped into device calls changes."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flint_jax.engine import Engine, decode_steps
+from flint_jax.sampling import SamplingParams
+from flint_jax.state import init_state
+
+MAX_LEN = 24
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_cfg, tiny_params):
+    return {n: Engine(tiny_cfg, tiny_params, max_batch=2, max_len=MAX_LEN, chunk_size=4, steps_per_dispatch=n)
+            for n in (1, 3, 4)}
+
+
+def _run(engine, prompts, sampling):
+    """(tokens, finish_reason) per request, from the stream, checked against `generate`."""
+    events: dict[int, list] = {i: [] for i in range(len(prompts))}
+    for e in engine.stream(prompts, sampling):
+        events[e.request].append((e.token, e.finish_reason))
+    done = engine.generate(prompts, sampling)
+    for i, r in enumerate(done):
+        assert [t for t, _ in events[i]] == r.tokens
+        assert [f for _, f in events[i]] == [None] * (len(r.tokens) - 1) + [r.finish_reason]
+    return [(r.tokens, r.finish_reason) for r in done]
+
+
+def _first_new(tokens, start):
+    """An index >= start whose token does not occur before it (a stop token that first fires there)."""
+    return next(i for i in range(start, len(tokens)) if tokens[i] not in tokens[:i])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "seeded"])
+def test_every_steps_per_dispatch_gives_the_same_completions(engines, temperature):
+    def params(max_tokens, seed, stop=()):
+        return SamplingParams(temperature=temperature, top_k=0 if temperature else 20, top_p=1.0,
+                              max_tokens=max_tokens, seed=seed, stop_token_ids=stop)
+
+    # The token at index 2 comes from the first burst's second step for n = 3 and 4: a stop token there is
+    # mid-burst. max_tokens 6 ends inside the second burst for both.
+    probe = engines[1].generate([[4, 1, 4]], params(8, seed=5))[0].tokens
+    stop_at = _first_new(probe, 2)
+    prompts = [[4, 1, 4], [1, 2, 3, 4, 5, 6, 7], [9, 8, 7], [5] * 10, [3, 3], [2] * 14]
+    sampling = [params(8, seed=5, stop=(probe[stop_at],)),  # stops mid-burst
+                params(6, seed=1),  # max_tokens mid-burst
+                params(2, seed=2),  # one decode step, in the burst of its batch-mate
+                params(9, seed=3),  # takes over a freed slot
+                params(1, seed=4),  # prefill only
+                params(MAX_LEN - 14, seed=6)]  # prompt + max_tokens == max_len
+    reference = _run(engines[1], prompts, sampling)
+    assert reference[0] == (probe[:stop_at + 1], "stop") and stop_at + 1 < 8
+    assert [len(t) for t, _ in reference[1:]] == [6, 2, 9, 1, MAX_LEN - 14]
+    assert all(reason == "length" for _, reason in reference[1:])
+    for n in (3, 4):
+        assert _run(engines[n], prompts, sampling) == reference, f"steps_per_dispatch={n}"
+        # No row ever held more than max_len - 1 tokens (the last sampled token is never written).
+        assert int(jnp.max(engines[n].state.lengths)) <= MAX_LEN - 1
+
+
+def test_decode_steps_equals_single_steps_and_respects_limits(tiny_cfg, tiny_params):
+    """One 4-step call against four 1-step calls on the same state: row 0 runs all 4 steps, row 1 reaches its
+    limit after 2, row 2 is inactive; the final states are identical and inactive/finished rows stay put."""
+    B = 3
+    state = init_state(tiny_cfg, B, MAX_LEN)
+    state = type(state)(layers=state.layers, lengths=jnp.array([5, 7, 3], jnp.int32))
+    tokens = np.array([11, 22, 33], np.int32)
+    active = np.array([True, True, False])
+    limits = np.array([MAX_LEN, 9, MAX_LEN], np.int32)
+    keys = jax.random.split(jax.random.key(1), B)
+    generated = np.array([1, 3, 2], np.int32)
+    settings = (np.array([1.0, 0.0, 1.0], np.float32), np.zeros(B, np.int32), np.ones(B, np.float32))
+    copy = lambda s: jax.tree.map(jnp.copy, s)  # noqa: E731 (decode_steps donates its state)
+
+    burst, burst_state = decode_steps(tiny_params, copy(state), tokens, active, limits, keys, generated, *settings,
+                                      cfg=tiny_cfg, num_steps=4)
+    steps, s, t = [], copy(state), tokens
+    for i in range(4):
+        out, s = decode_steps(tiny_params, s, t, active, limits, keys, generated + i, *settings, cfg=tiny_cfg,
+                              num_steps=1)
+        steps.append(out[0])
+        t = np.where(np.asarray(out[0]) >= 0, np.asarray(out[0]), t)
+    burst = np.asarray(burst)
+    assert burst.shape == (4, B)
+    np.testing.assert_array_equal(burst, np.stack(steps))
+    assert (burst[:, 0] >= 0).all() and list(burst[2:, 1]) == [-1, -1] and (burst[:, 2] == -1).all()
+    assert list(np.asarray(burst_state.lengths)) == [9, 9, 3]
+    for a, b in zip(jax.tree.leaves(burst_state), jax.tree.leaves(s)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for a, b in zip(jax.tree.leaves(burst_state.layers), jax.tree.leaves(state.layers)):
+        np.testing.assert_array_equal(np.asarray(a)[2], np.asarray(b)[2])  # the inactive row
+
+
+def test_pallas_bursts_match_single_steps(tiny_cfg, tiny_params):
+    prompts = [[1, 2, 3, 4, 5], [6, 7]]
+    sampling = [SamplingParams(temperature=0.0, max_tokens=5), SamplingParams(temperature=1.0, max_tokens=4, seed=9)]
+    results = [Engine(tiny_cfg, tiny_params, max_batch=2, max_len=16, chunk_size=8, impl="pallas",
+                      steps_per_dispatch=n).generate(prompts, sampling) for n in (1, 3)]
+    assert [(r.tokens, r.finish_reason) for r in results[0]] == [(r.tokens, r.finish_reason) for r in results[1]]
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True, "4"])
+def test_steps_per_dispatch_must_be_a_positive_integer(tiny_cfg, tiny_params, bad):
+    with pytest.raises(ValueError, match="steps_per_dispatch must be an integer >= 1"):
+        Engine(tiny_cfg, tiny_params, max_len=16, steps_per_dispatch=bad)
+
+
+def test_chat_streams_the_same_turn_in_bursts():
+    """The demo model's tool call (it ends on a stop token) through `chat`, one-shot and streamed."""
+    from flint_jax import default_model
+    rt = default_model.runtime()
+    messages = [{"role": "user", "content": "How many miles is 43 kilometers?"}]
+    sampling = SamplingParams(temperature=0.0, max_tokens=64)
+    turns = []
+    for n in (1, 4):
+        engine = Engine(rt.cfg, rt.params, max_batch=1, max_len=512, steps_per_dispatch=n, tokenizer=rt.tokenizer,
+                        chat_template=rt.chat_template)
+        one_shot = engine.chat(messages, tools=rt.default_tools, sampling=sampling)
+        streamed = list(engine.chat(messages, tools=rt.default_tools, sampling=sampling, stream=True))[-1]["choice"]
+        assert streamed["message"] == one_shot["message"]
+        turns.append((one_shot["message"], one_shot["finish_reason"], one_shot["usage"]))
+    assert turns[0][1] == "tool_calls" and turns[0][2]["completion_tokens"] < 64
+    assert turns[1] == turns[0]
