@@ -7,7 +7,7 @@ than the H200's 60 MB L2), run three times under the profiler; the figure is the
 launches in the trace (GPU time only: no launch gaps, no host). GB/s counts the bytes the kernel must read (weights,
 plus the routed experts' for the MoE kernels). GPU only (on a CPU the kernels would run in interpret mode).
 
-    python scripts/tune_weight_kernels.py --out /tmp/tune [--cases qkv,o,gate_up,down,router] [--budget-s 200]
+    python scripts/tune_weight_kernels.py --out /tmp/tune [--cases qkv,o,gate_up,down,router,lm_head] [--budget-s 200]
     python scripts/tune_weight_kernels.py --out /tmp/tune --tiny     # CPU smoke run: interpret mode, no timing
 """
 
@@ -65,6 +65,13 @@ def down_grid():
 
 def router_grid():
     return [None] + [(be, 2048, warps, 1) for be, warps in itertools.product((1, 2, 4), (2, 4, 8))]
+
+
+def lm_head_grid():
+    out = [None]
+    for bn, bk, warps in itertools.product((8, 16, 32, 64), (1024, 2048), (4, 8)):
+        out.append((bn, bk, warps, 3, False, False, False))
+    return out
 
 
 def nvfp4_bytes(n: int, k: int) -> int:
@@ -125,6 +132,10 @@ def main(argv=None) -> int:
             x, layer.mlp.router, norm_weight=layer.mlp_norm, eps=cfg.rms_norm_eps, block=b,
             interpret=interpret)[0], E * H * 2),
     }
+    # The LM head: one 175 MB weight (NVFP4), larger than the L2 by itself, run once per "layer" of the program.
+    cases["lm_head"] = (lm_head_grid(), lambda b: lambda layer, _: G.gemv_logits(
+        x, params.lm_head, norm_weight=params.final_norm, eps=cfg.rms_norm_eps, block=b, interpret=interpret),
+        nvfp4_bytes(cfg.vocab_size, H))
     results = {"device": jax.devices()[0].device_kind, "layers": L, "batch": M, "rows": []}
     for name in args.cases.split(","):
         grid, make, nbytes = cases[name]
