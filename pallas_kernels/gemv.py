@@ -47,8 +47,14 @@ TABLE_PREFETCH = False  # register double buffer of the next K step (weight_tile
 def pick_blocks(spec: wt.WeightSpec, m: int, n_weights: int = 1) -> Blocks:
     """Block sizes from a small table (tuned on the H200, docs/KERNELS.md), then shrunk so that N/BN >= 2 x SMs."""
     bk = TABLE_BK
-    if spec.kind == "nvfp4":
-        bn, warps, stages = (32, 4, 3) if m <= 2 else (16, 4, 3)
+    if spec.kind == "nvfp4" and m <= 2:
+        # Measured on the H200 (scripts/tune_weight_kernels.py, docs/BENCHMARKS.md): thin blocks with long K tiles;
+        # 8 warps and the whole K in one step for K >= 4096 (O projection 7.5 -> 4.5 us), two 1024-value steps for
+        # K = 2048 (QKV 7.5 -> 6.2 us). Blocks of 16-32 rows with long tiles spill registers (12-49 us).
+        bn, stages = 8, 3
+        bk, warps = (max(bk, 4096), 8) if spec.k >= 4096 else (max(bk, 1024), 4)
+    elif spec.kind == "nvfp4":
+        bn, warps, stages = 16, 4, 3
     else:
         bn, warps, stages = (16, 4, 3) if m <= 2 else (8, 4, 3)
     if n_weights > 1:

@@ -2,15 +2,17 @@
 
     moe_block(h, layer, cfg)        = layers.mlp_block(h, layer, cfg) for an MoE layer, in three kernels:
         1. router.router_logits     b = rmsnorm(h), FP32 logits = b @ router.T                      [M, E]
-        2. expert_gate_up           per (token, slot) pair and block of I rows: top-k recomputed from the logits,
-                                    the selected expert's gate and up rows streamed once, SwiGLU fused;
+                                    and (ROUTE_IN_ROUTER) the top-k ids and weights, by its last program
+        2. expert_gate_up           per (token, slot) pair and block of I rows: the slot's expert id (read, or
+                                    recomputed from the logits), the expert's gate and up rows streamed once,
+                                    SwiGLU fused;
                                     pairs M*k .. M*k+M-1 run the shared expert                  act [M*(k+1), I]
         3. expert_down              per (token, block of H rows): the k routed experts' down rows and the shared
                                     expert's, combined in FP32 with the routing weights, rounded once, plus the
                                     residual                                                        h_new [M, H]
     dense_mlp_block(h, layer, cfg)  = layers.mlp_block for a dense layer: gemv_swiglu + gemv(residual), two kernels.
 
-Expert ids are data: a program reads them from the logits at run time and indexes the stacked [E, N, K] weights
+Expert ids are data: a program reads them (or derives them from the logits) at run time and indexes the stacked [E, N, K] weights
 with them (Triton pointer arithmetic), so one compiled kernel serves every routing and only the selected experts'
 bytes are read. With M tokens each (token, slot) pair reads its expert once (as layers.routed_experts_gathered
 does); two tokens that pick one expert read it twice, which at M <= 8 costs less than a sort.
@@ -32,9 +34,12 @@ from flint_jax.pallas_kernels import router as router_mod
 from flint_jax.pallas_kernels import weight_tiles as wt
 
 F32, BF16 = jnp.float32, jnp.bfloat16
-GATE_UP_BLOCK = (8, 512, 4, 3)  # (rows of I per program, K tile, warps, stages)
+# (rows of I per program, K tile, warps, stages); a 1024 K tile: 8.4 us vs 8.9 with 512 on the H200 (tune_weight_kernels)
+GATE_UP_BLOCK = (8, 1024, 4, 3)
 DOWN_BLOCK = (8, 512, 4, 1)  # (rows of H per program, ...); I = 512 is one K step for Flint
-ROUTER_BLOCK = (2, 2048, 4, 1)
+ROUTER_BLOCK = (2, 2048, 8, 1)
+# The top-k once, in the router kernel's last program (router.py), instead of in every expert-kernel program.
+ROUTE_IN_ROUTER = True  # 8 warps: 2.43 vs 2.53 us on the H200
 
 
 def _pick(e_or_n: int, k: int, kind: str, block) -> tuple[int, int, int, int, bool, bool]:
@@ -45,7 +50,22 @@ def _pick(e_or_n: int, k: int, kind: str, block) -> tuple[int, int, int, int, bo
     return (wt.largest_pow2_divisor(e_or_n, bn), wt.k_tile(spec, bk), warps, stages, bool(rest[0]), bool(rest[1]))
 
 
-def _gate_up_kernel(logits_ref, bias_ref, x_ref, *refs, m, k, g_spec, s_spec, has_shared, bn, bk, norm, scaling,
+def _slot_value(vec: jax.Array, slot) -> jax.Array:
+    """vec[slot] for a short vector and a traced slot (a masked sum: no dynamic scalar indexing in the kernel)."""
+    return jnp.sum(jnp.where(jax.lax.broadcasted_iota(jnp.int32, vec.shape, 0) == slot, vec, jnp.zeros_like(vec)))
+
+
+def _routing(route_refs, t, k, norm, scaling):
+    """Token t's k expert ids and weights: read from the router's output (route_refs = (ids_ref, w_ref)), or
+    recomputed from the logits (route_refs = (logits_ref, bias_ref))."""
+    a_ref, b_ref = route_refs
+    if a_ref.dtype == jnp.int32:
+        ids_row, w_row = a_ref[t, :], b_ref[t, :]
+        return [_slot_value(ids_row, s) for s in range(k)], [_slot_value(w_row, s) for s in range(k)]
+    return router_mod.select_experts(a_ref[t, :], b_ref[...], k, norm, scaling)
+
+
+def _gate_up_kernel(route_a, route_b, x_ref, *refs, m, k, g_spec, s_spec, has_shared, bn, bk, norm, scaling,
                     elementwise, prefetch):
     refs = list(refs)
     o_ref = refs.pop()
@@ -67,10 +87,13 @@ def _gate_up_kernel(logits_ref, bias_ref, x_ref, *refs, m, k, g_spec, s_spec, ha
     def _routed():
         t = p // k
         slot = p - t * k
-        ids, _ = router_mod.select_experts(logits_ref[t, :], bias_ref[...], k, norm, scaling)
-        e = ids[0]
-        for s in range(1, k):
-            e = jnp.where(slot == s, ids[s], e)
+        if route_a.dtype == jnp.int32:  # the router's ids: one load
+            e = _slot_value(route_a[t, :], slot)
+        else:
+            ids, _ = router_mod.select_experts(route_a[t, :], route_b[...], k, norm, scaling)
+            e = ids[0]
+            for s in range(1, k):
+                e = jnp.where(slot == s, ids[s], e)
         run(g_spec, gate, up, t, e)
 
     if has_shared:
@@ -79,17 +102,26 @@ def _gate_up_kernel(logits_ref, bias_ref, x_ref, *refs, m, k, g_spec, s_spec, ha
             run(s_spec, sgate, sup, p - m * k, 0)
 
 
+def _route_operands(logits, moe, routing):
+    """The expert kernels' first two operands: the router's (ids, weights) when given, else (logits, bias)."""
+    if routing is not None:
+        ids, ws = routing
+        return [ids.astype(jnp.int32), ws.astype(F32)]
+    return [logits.astype(F32), moe.router_bias.astype(F32)]
+
+
 def expert_gate_up(b: jax.Array, logits: jax.Array, moe, cfg: FlintConfig, *, interpret: bool = False,
-                   block=None) -> jax.Array:
+                   block=None, routing=None) -> jax.Array:
     """SwiGLU activations of the selected experts (and the shared expert) for normed inputs b [M, H]:
-    row t*k + s is token t's slot-s expert, row M*k + t token t's shared expert. -> [M*(k+shared), I] bf16."""
+    row t*k + s is token t's slot-s expert, row M*k + t token t's shared expert. -> [M*(k+shared), I] bf16.
+    routing: (ids [M, KP], weights [M, KP]) from `router_logits(..., select=...)`; else the top-k is recomputed
+    from the logits in every program."""
     m, hidden = b.shape
     k = cfg.num_experts_per_tok
     g_spec, g_ops = wt.weight_operands(moe.gate, stacked=True)
     _, u_ops = wt.weight_operands(moe.up, stacked=True)
     has_shared = moe.shared_gate is not None
-    operands = [logits.astype(F32), moe.router_bias.astype(F32), wt.x_operand(b.astype(BF16), g_spec.kind),
-                *g_ops, *u_ops]
+    operands = [*_route_operands(logits, moe, routing), wt.x_operand(b.astype(BF16), g_spec.kind), *g_ops, *u_ops]
     s_spec = None
     if has_shared:
         s_spec, sg_ops = wt.weight_operands(moe.shared_gate)
@@ -114,7 +146,7 @@ def expert_gate_up(b: jax.Array, logits: jax.Array, moe, cfg: FlintConfig, *, in
     )(*operands)
 
 
-def _down_kernel(logits_ref, bias_ref, x_ref, *refs, m, k, d_spec, s_spec, has_shared, bn, bk, norm, scaling):
+def _down_kernel(route_a, route_b, x_ref, *refs, m, k, d_spec, s_spec, has_shared, bn, bk, norm, scaling):
     refs = list(refs)
     o_ref = refs.pop()
     h_ref = refs.pop()
@@ -122,7 +154,7 @@ def _down_kernel(logits_ref, bias_ref, x_ref, *refs, m, k, d_spec, s_spec, has_s
     down, sdown = refs[:nd], refs[nd:]
     t = pl.program_id(0)
     n0 = pl.multiple_of(pl.program_id(1) * bn, bn)
-    ids, ws = router_mod.select_experts(logits_ref[t, :], bias_ref[...], k, norm, scaling)
+    ids, ws = _routing((route_a, route_b), t, k, norm, scaling)
     xs = wt.XSource(x_ref, d_spec.kind)
     rows = [t * k + s for s in range(k)]
     weights = [(d_spec, down)] * k
@@ -143,14 +175,13 @@ def _down_kernel(logits_ref, bias_ref, x_ref, *refs, m, k, d_spec, s_spec, has_s
 
 
 def expert_down(act: jax.Array, logits: jax.Array, moe, cfg: FlintConfig, residual: jax.Array, *,
-                interpret: bool = False, block=None) -> jax.Array:
+                interpret: bool = False, block=None, routing=None) -> jax.Array:
     """`residual + bf16(shared(act) + sum_s w_s * expert_s(act))` from expert_gate_up's rows: [M, H] bf16."""
     m, hidden = residual.shape
     k = cfg.num_experts_per_tok
     d_spec, d_ops = wt.weight_operands(moe.down, stacked=True)
     has_shared = moe.shared_down is not None
-    operands = [logits.astype(F32), moe.router_bias.astype(F32), wt.x_operand(act.astype(BF16), d_spec.kind),
-                *d_ops]
+    operands = [*_route_operands(logits, moe, routing), wt.x_operand(act.astype(BF16), d_spec.kind), *d_ops]
     s_spec = None
     if has_shared:
         s_spec, sd_ops = wt.weight_operands(moe.shared_down)
@@ -181,10 +212,18 @@ def moe_block(h: jax.Array, layer, cfg: FlintConfig, *, interpret: bool = False,
     lead = h.shape[:-1]
     flat = h.reshape(-1, h.shape[-1])
     moe = layer.mlp
-    logits, b = router_mod.router_logits(flat, moe.router, norm_weight=layer.mlp_norm, eps=cfg.rms_norm_eps,
-                                         interpret=interpret, block=blocks.get("router", ROUTER_BLOCK))
-    act = expert_gate_up(b, logits, moe, cfg, interpret=interpret, block=blocks.get("gate_up"))
-    out = expert_down(act, logits, moe, cfg, flat, interpret=interpret, block=blocks.get("down"))
+    block = blocks.get("router", ROUTER_BLOCK)
+    if ROUTE_IN_ROUTER:
+        logits, b, ids, ws = router_mod.router_logits(flat, moe.router, norm_weight=layer.mlp_norm,
+                                                      eps=cfg.rms_norm_eps, interpret=interpret, block=block,
+                                                      select=(moe.router_bias, cfg))
+        routing = (ids, ws)
+    else:
+        logits, b = router_mod.router_logits(flat, moe.router, norm_weight=layer.mlp_norm, eps=cfg.rms_norm_eps,
+                                             interpret=interpret, block=block)
+        routing = None
+    act = expert_gate_up(b, logits, moe, cfg, interpret=interpret, block=blocks.get("gate_up"), routing=routing)
+    out = expert_down(act, logits, moe, cfg, flat, interpret=interpret, block=blocks.get("down"), routing=routing)
     return out.reshape(*lead, -1)
 
 

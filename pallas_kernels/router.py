@@ -1,14 +1,18 @@
 """MoE router: FP32 logits of the post-attention-normed hidden state, and sigmoid top-k selection.
 
     router_logits(h, router, norm_weight)  -> (logits [M, E] f32, b = rmsnorm(h) [M, H] bf16)      one kernel
+    router_logits(..., select=(bias, cfg)) -> (logits, b, ids [M, KP] int32, weights [M, KP] f32)  one kernel
     route(h, router, bias, cfg)            -> (ids [M, k] int32, weights [M, k] f32)              two kernels
     select_experts(logits_row, bias, ...)  the in-kernel top-k, also run inside the expert kernels (moe_experts.py)
 
 The logits kernel spreads the E x H FP32 router matrix (2 MB for Flint) over E/BE programs; each recomputes the
 RMSNorm of its M rows (a few KB) and program 0 also writes b for the expert kernels, so the norm is fused here.
-Top-k needs all E logits, so it cannot run in the same launch as the logits without a grid-wide barrier; instead
-every expert-kernel program recomputes it from the 1 KB of logits (6 rounds of max / first-index / mask over E),
-which costs no extra launch. Ties go to the lower expert index, as `jax.lax.top_k` does in layers.route.
+Top-k needs all E logits. With `select`, the program that arrives last at an atomic counter (after every program
+has stored its logits) runs it for all rows at once and writes the expert ids and weights (KP = k rounded up to a
+power of two; slots past k are 0): the expert kernels then start their weight loads after a 64-byte read instead of
+6 dependent rounds of max / first-index / mask over E in each of their programs (`moe_experts.ROUTE_IN_ROUTER`).
+Without it, every expert-kernel program recomputes the top-k from the 1 KB of logits. Ties go to the lower expert
+index, as `jax.lax.top_k` does in layers.route.
 """
 
 from __future__ import annotations
@@ -50,7 +54,39 @@ def select_experts(logits: jax.Array, bias: jax.Array, k: int, norm_topk_prob: b
     return ids, [w * scaling for w in ws]
 
 
-def _logits_kernel(h_ref, nw_ref, r_ref, logits_ref, b_ref, *, mp, be, bk, eps, has_norm):
+def select_experts_rows(logits: jax.Array, bias: jax.Array, k: int, kp: int, norm_topk_prob: bool, scaling: float):
+    """select_experts for every row of logits [R, E] at once -> (ids [R, kp] int32, weights [R, kp] f32), slots
+    past k zero. The same operations in the same order per row, so the same ids and bit-identical weights."""
+    r, e = logits.shape
+    scores = 1.0 / (1.0 + jnp.exp(-logits))
+    sel = scores + bias[None, :]
+    iota = jax.lax.broadcasted_iota(jnp.int32, (r, e), 1)
+    ids, ws = [], []
+    for _ in range(k):
+        top = jnp.max(sel, axis=1)
+        idx = jnp.min(jnp.where(sel == top[:, None], iota, e), axis=1)
+        hit = iota == idx[:, None]
+        ws.append(jnp.sum(jnp.where(hit, scores, 0.0), axis=1))
+        ids.append(idx)
+        sel = jnp.where(hit, -jnp.inf, sel)
+    if norm_topk_prob:
+        total = ws[0]
+        for w in ws[1:]:
+            total = total + w
+        ws = [w / total for w in ws]
+    slot = jax.lax.broadcasted_iota(jnp.int32, (r, kp), 1)
+    id_out, w_out = jnp.zeros((r, kp), jnp.int32), jnp.zeros((r, kp), F32)
+    for s in range(k):
+        id_out = jnp.where(slot == s, ids[s][:, None], id_out)
+        w_out = jnp.where(slot == s, (ws[s] * scaling)[:, None], w_out)
+    return id_out, w_out
+
+
+def _logits_kernel(h_ref, nw_ref, r_ref, *refs, mp, be, bk, eps, has_norm, select, compiled):
+    if select is not None:
+        bias_ref, _, logits_ref, b_ref, ids_ref, w_ref, cnt_ref = refs
+    else:
+        logits_ref, b_ref = refs
     j = pl.program_id(0)
     e0 = pl.multiple_of(j * be, be)
     hidden = h_ref.shape[-1]
@@ -59,7 +95,21 @@ def _logits_kernel(h_ref, nw_ref, r_ref, logits_ref, b_ref, *, mp, be, bk, eps, 
     spec = wt.WeightSpec("bf16", 1, r_ref.shape[1], hidden)  # FP32 values; streamed like a BF16 weight
     accs = wt.stream_rows([xs] * mp, list(range(mp)), [(spec, (r_ref,))], [0], e0, be, bk, inv)
     for r in range(mp):
-        logits_ref[r, :] = accs[r]
+        logits_ref[r, pl.ds(e0, be)] = accs[r]
+
+    if select is not None:
+        k, kp, norm, scaling = select
+        if compiled:
+            plt.debug_barrier()  # every thread's logits stores precede the release of the atomic
+        ticket = plt.atomic_add(cnt_ref, (jnp.zeros((), jnp.int32),), jnp.ones((), jnp.int32))  # a traced index
+
+        @pl.when(ticket == pl.num_programs(0) - 1)  # the last program: every logit is stored
+        def _():
+            # Volatile: the logits were written by other SMs during this launch (not via L1).
+            logits = plt.load(logits_ref, volatile=True)
+            ids, ws = select_experts_rows(logits, bias_ref[...], k, kp, norm, scaling)
+            ids_ref[...] = ids
+            w_ref[...] = ws
 
     @pl.when(j == 0)
     def _():
@@ -74,9 +124,11 @@ def _logits_kernel(h_ref, nw_ref, r_ref, logits_ref, b_ref, *, mp, be, bk, eps, 
 
 
 def router_logits(h: jax.Array, router: jax.Array, *, norm_weight: jax.Array | None = None, eps: float = 1e-5,
-                  interpret: bool = False, block=None):
+                  interpret: bool = False, block=None, select=None):
     """FP32 router logits of b = rmsnorm(h, norm_weight) (or b = h): h [M, H] bf16, router [E, H] f32 ->
-    (logits [M, E] f32, b [M, H] bf16). `block` = (be, bk, num_warps, num_stages)."""
+    (logits [M, E] f32, b [M, H] bf16). `block` = (be, bk, num_warps, num_stages).
+    select = (bias [E], cfg): also the top-k routing, computed by the last program (module docstring) ->
+    (logits, b, ids [M, KP] int32, weights [M, KP] f32), KP = k rounded up to a power of two, slots >= k zero."""
     m, hidden = h.shape
     e = router.shape[0]
     if not 1 <= m <= 8:
@@ -87,19 +139,32 @@ def router_logits(h: jax.Array, router: jax.Array, *, norm_weight: jax.Array | N
     bk = wt.largest_pow2_divisor(hidden, bk)
     hp = h.astype(BF16) if m == mp else jnp.pad(h.astype(BF16), ((0, mp - m), (0, 0)))
     nw = norm_weight.astype(BF16) if norm_weight is not None else jnp.ones((hidden,), BF16)
+    args = [hp, nw, router[None].astype(F32)]
+    out_shape = [jax.ShapeDtypeStruct((mp, e), F32), jax.ShapeDtypeStruct((mp, hidden), BF16)]
+    aliases, sel = {}, None
+    if select is not None:
+        bias, cfg = select
+        kp = wt.pow2_rows(cfg.num_experts_per_tok)
+        sel = (cfg.num_experts_per_tok, kp, bool(cfg.norm_topk_prob), float(cfg.routed_scaling_factor))
+        # the arrival counter: zeros in, aliased out, so every call gets a fresh zeroed buffer
+        args += [bias.astype(F32), jnp.zeros((1,), jnp.int32)]
+        out_shape += [jax.ShapeDtypeStruct((mp, kp), jnp.int32), jax.ShapeDtypeStruct((mp, kp), F32),
+                      jax.ShapeDtypeStruct((1,), jnp.int32)]
+        aliases = {len(args) - 1: len(out_shape) - 1}
     kernel = functools.partial(_logits_kernel, mp=mp, be=be, bk=bk, eps=float(eps),
-                               has_norm=norm_weight is not None)
-    logits, b = pl.pallas_call(
+                               has_norm=norm_weight is not None, select=sel, compiled=not interpret)
+    outs = pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct((mp, e), F32), jax.ShapeDtypeStruct((mp, hidden), BF16)),
+        out_shape=tuple(out_shape),
         grid=(e // be,),
-        in_specs=[pl.no_block_spec] * 3,
-        out_specs=(pl.BlockSpec((mp, be), lambda j: (0, j)), pl.no_block_spec),
+        input_output_aliases=aliases,
         compiler_params=plt.CompilerParams(num_warps=warps, num_stages=stages),
         interpret=interpret,
-        name="router_logits",
-    )(hp, nw, router[None].astype(F32))
-    return logits[:m], b[:m]
+        name="router_logits" if select is None else "router_logits_topk",
+    )(*args)
+    if select is None:
+        return outs[0][:m], outs[1][:m]
+    return outs[0][:m], outs[1][:m], outs[2][:m], outs[3][:m]
 
 
 def _topk_kernel(logits_ref, bias_ref, ids_ref, w_ref, *, k, kp, norm, scaling):

@@ -131,6 +131,22 @@ def make_steps(cfg: FlintConfig, impl: str):
     return forward, served
 
 
+def make_burst(cfg: FlintConfig, impl: str, num_steps: int):
+    """The engine's multi-step decode (engine.decode_steps: `num_steps` forwards + LM heads + samplings, each
+    sampled token feeding the next step, one dispatch), restarted at `lengths` on every call like make_steps."""
+    from flint_jax import engine as E
+
+    @functools.partial(jax.jit, donate_argnums=(1,))
+    def burst(params, state, tokens, lengths, keys):
+        state = dataclasses.replace(state, lengths=lengths)
+        B = tokens.shape[0]
+        out, state = E.decode_steps(params, state, tokens, jnp.ones(B, bool), jnp.full((B,), 1 << 30, jnp.int32),
+                                    keys, jnp.zeros(B, jnp.int32), jnp.ones(B), jnp.full((B,), 20, jnp.int32),
+                                    jnp.full((B,), 0.95), cfg=cfg, impl=impl, num_steps=num_steps)
+        return out, state
+    return burst
+
+
 def time_steps(step, params, state, tokens, extra, iters: int, context: int):
     """Median ms per step over `iters` steps enqueued back to back, each at `context` tokens."""
     lengths = jnp.full((tokens.shape[0],), context, jnp.int32)
@@ -164,13 +180,16 @@ def trace_steps(step, params, state, tokens, extra, context: int, trace_dir: str
 
 
 def device_time(step, params, state, tokens, extra, context: int, trace_dir: str, steps: int = 5):
-    """Median device time per step (ms; None without device events), kernels launched per step (None likewise)
-    from a profiler trace of `steps` steps, and the state. The GPU-side figure: wall time also counts the host's
-    dispatch when the host is slower."""
+    """Median device time per step (ms; None without device events), kernels launched per step (None likewise),
+    the per-kernel summary (device_trace.summarize; None likewise) from a profiler trace of `steps` steps, and the
+    state. The GPU-side figure: wall time also counts the host's dispatch when the host is slower."""
     events, state = trace_steps(step, params, state, tokens, extra, context, trace_dir, steps)
     shutil.rmtree(trace_dir, ignore_errors=True)  # a few MB per point; scripts/profile_decode.py keeps its traces
-    kernels = len(events) // steps if events and len(events) % steps == 0 else None
-    return device_trace.device_ms(events, steps), kernels, state
+    if not events or len(events) % steps:
+        return device_trace.device_ms(events, steps), None, None, state
+    summary = device_trace.summarize(events, steps)
+    summary["rows"] = summary["rows"][:25]
+    return device_trace.device_ms(events, steps), len(events) // steps, summary, state
 
 
 def expected_expert_fraction(cfg: FlintConfig, batch: int) -> float:
@@ -203,6 +222,9 @@ def main(argv=None) -> int:
     ap.add_argument("--xla-points", default="1:8192,1:100000",
                     help="batch:context points for the XLA reference (each compiles its own program)")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--served-steps", type=int, default=4,
+                    help="also time the engine's multi-step decode (this many steps per dispatch) at batch 1 and "
+                         "the first context, Pallas only; 0 = skip")
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new points after this many seconds")
     args = ap.parse_args(argv)
     t_start = time.time()
@@ -261,26 +283,42 @@ def main(argv=None) -> int:
                     # The AOT executable itself: calling `forward` would compile the same program a second time.
                     fwd_ms, state = time_steps(compiled, params, state, tokens, (), args.iters, ctx)
                     tdir = os.path.join(args.out, "traces", f"{weights}_{impl}_b{batch}_{ctx}")
-                    dev_ms, launched, state = device_time(compiled, params, state, tokens, (), ctx, tdir)
+                    dev_ms, launched, summary, state = device_time(compiled, params, state, tokens, (), ctx, tdir)
                     point = {"weights": weights, "impl": impl, "batch": batch, "context": ctx,
                              "forward_wall_ms": fwd_ms, "forward_device_ms": dev_ms,
                              # launched per step in the trace where there is one; else the compiled program's
                              # entry instructions (an undercount: command-buffer calls hide their kernels)
                              "kernels": launched if launched is not None else kernels,
                              "kernels_source": "trace" if launched is not None else "hlo_entry",
-                             "bytes": bytes_per_step(cfg, weights, batch, ctx)}
+                             "bytes": bytes_per_step(cfg, weights, batch, ctx), "kernel_summary": summary}
                     # The headline is the device time (the GPU's work per step); wall time where no trace.
                     point["forward_ms"] = dev_ms if dev_ms is not None else fwd_ms
                     point["roofline_ms"] = point["bytes"] / (peak * 1e9) * 1e3
                     point["hbm_fraction"] = point["roofline_ms"] / point["forward_ms"]
                     if batch == 1 and ctx in (100_000, max(ctxs)):
                         srv_ms, state = time_steps(served, params, state, tokens, (keys,), args.iters, ctx)
-                        srv_dev, srv_kernels, state = device_time(served, params, state, tokens, (keys,), ctx,
-                                                                  tdir + "_served")
+                        srv_dev, srv_kernels, srv_summary, state = device_time(
+                            served, params, state, tokens, (keys,), ctx, tdir + "_served")
+                        point["served_kernel_summary"] = srv_summary
                         point["served_kernels"] = srv_kernels
                         point["served_wall_ms"] = srv_ms
                         point["served_device_ms"] = srv_dev
                         point["served_ms"] = srv_dev if srv_dev is not None else srv_ms
+                    if (batch == 1 and impl == "pallas" and args.served_steps > 1 and ctx == ctxs[0]
+                            and not over_budget()):
+                        n = args.served_steps
+                        burst = make_burst(cfg, impl, n)
+                        t = time.time()
+                        burst_ms, state = time_steps(burst, params, state, tokens, (keys,), max(2, args.iters // n),
+                                                     ctx)
+                        burst_dev, _, _, state = device_time(burst, params, state, tokens, (keys,), ctx,
+                                                             tdir + "_burst", steps=3)
+                        point["served_steps"] = n
+                        point["served_burst_wall_ms_per_token"] = burst_ms / n
+                        point["served_burst_device_ms_per_token"] = None if burst_dev is None else burst_dev / n
+                        log(f"  ctx {ctx:>6}: served, {n} steps per dispatch: {burst_ms / n:.3f} ms/token wall"
+                            + ("" if burst_dev is None else f", {burst_dev / n:.3f} ms/token device")
+                            + f" (compile + timing {time.time() - t:.0f}s)")
                     results["points"].append(point)
                     dev_txt = f"{dev_ms:.3f} ms device, " if dev_ms is not None else ""
                     log(f"  ctx {ctx:>6}: forward {dev_txt}{fwd_ms:.3f} ms wall, {point['kernels']} kernels"
@@ -301,9 +339,10 @@ def write_markdown(results: dict, path: str) -> None:
              f"HBM measured: read {results['hbm']['read_GBps']:.0f} GB/s, copy {results['hbm']['copy_GBps']:.0f} GB/s.",
              "Forward and served ms are the device time per step (profiler trace: first kernel start to last kernel "
              "end), wall ms the host-timed step, which includes dispatch when the host is slower than the GPU.",
+             "Served burst: the engine's decode_steps, several steps per dispatch, wall ms per token.",
              "", "| weights | impl | batch | context | forward ms | forward wall ms | served ms | served wall ms "
-             "| kernels | GB/step | roofline ms | % HBM |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| served burst wall ms/token | kernels | GB/step | roofline ms | % HBM |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def ms(p, key):
         v = p.get(key)
@@ -311,7 +350,7 @@ def write_markdown(results: dict, path: str) -> None:
     for p in results["points"]:
         lines.append(f"| {p['weights']} | {p['impl']} | {p['batch']} | {p['context']} | {ms(p, 'forward_ms')} | "
                      f"{ms(p, 'forward_wall_ms')} | {ms(p, 'served_ms')} | {ms(p, 'served_wall_ms')} | "
-                     f"{p['kernels']} | {p['bytes'] / 1e9:.2f} | {p['roofline_ms']:.3f} | "
+                     f"{ms(p, 'served_burst_wall_ms_per_token')} | {p['kernels']} | {p['bytes'] / 1e9:.2f} | {p['roofline_ms']:.3f} | "
                      f"{100 * p['hbm_fraction']:.0f}% |")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")

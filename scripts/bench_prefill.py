@@ -725,7 +725,7 @@ def main(argv=None) -> int:
     ap.add_argument("--long", type=int, default=None, help="TTFT prompt length (default 100000)")
     ap.add_argument("--weights", default="nvfp4,bf16", help="weight formats to run, in order")
     ap.add_argument("--no-sweep", action="store_true", help="skip the block sweeps (table defaults)")
-    ap.add_argument("--skip", default="", help="comma list of sections to skip: moe,attn,prefill,ttft")
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: moe,attn,prefill,ttft,extras (chunked and reference runs)")
     args = ap.parse_args(argv)
     run = Run(args)
     tiny = args.tiny
@@ -776,7 +776,7 @@ def main(argv=None) -> int:
             if "ttft" not in skip and i == 0:
                 if run.allows((45 if not tiny else 5) + reserve, f"ttft {kind}"):
                     section_ttft(run, cfg, kind, params, long_n, long_chunk, (None, None), None, tiny)
-            if "prefill" not in skip and not (tiny and i > 0):  # --tiny: the extras once, to stay under a minute
+            if "prefill" not in skip and "extras" not in skip and not (tiny and i > 0):  # --tiny: once
                 section_prefill(run, cfg, kind, params, tokens, chunk, tiny, reserve, which="extras")
             del params
             jax.clear_caches()

@@ -3,11 +3,13 @@
 #   bash scripts/gpu_session.sh TOTAL_SECONDS [PART ...]
 # Parts (default: tests profile decode prefill weights):
 #   tests     the kernel tests compiled on the GPU (FLINT_PALLAS_COMPILED=1): attention, GEMV, MoE, prefill
+#   tests_moe  only the compiled router / MoE-block tests (top-k in the router's last program)
 #   tests_fold  only the compiled tests of the split-partials fold (in-kernel combine, split rings)
 #   profile   device trace of the NVFP4 Pallas decode step at 100K, once per kernel-knob variant ($PROFILE_VARIANTS):
 #             per-kernel time inside the whole step (scripts/profile_decode.py)
 #   profile_bf16  the same for BF16, Pallas and the XLA reference
 #   decode    end-to-end decode benchmark (issue 6): NVFP4 and BF16, both impls, batch 1 and 8, 8K..262K
+#   decode8   the same for NVFP4 Pallas at batch 8 (8K, 32K, 100K)
 #   prefill   8K prefill and 100K TTFT (issue 7), kernels checked against references first
 #   tune      device time of each weight-streaming kernel over a grid of block settings (scripts/tune_weight_kernels.py)
 #   dispatch  host dispatch cost of the decode step at Flint's buffer count (scripts/dispatch_overhead.py)
@@ -50,17 +52,21 @@ for p in $parts; do
   case $p in
     tests) part tests 100 env FLINT_PALLAS_COMPILED=1 python3 -m pytest -q -p no:cacheprovider \
              tests/test_kernels_attention.py tests/test_kernels_gemv.py tests/test_kernels_moe.py ;;
+    tests_moe) part tests_moe 60 env FLINT_PALLAS_COMPILED=1 python3 -m pytest -q -p no:cacheprovider \
+             tests/test_kernels_moe.py -k "route or moe_block" ;;
     tests_fold) part tests_fold 50 env FLINT_PALLAS_COMPILED=1 python3 -m pytest -q -p no:cacheprovider \
              tests/test_kernels_attention.py -k "combine or split_ring or ring_split" ;;
-    profile) part profile 250 python3 scripts/profile_decode.py --out "$work/profile" --weights nvfp4 \
+    profile) part profile ${PROFILE_LIMIT:-250} python3 scripts/profile_decode.py --out "$work/profile" --weights nvfp4 \
              --impls pallas --context 100000 --variants "${PROFILE_VARIANTS:-base,prefetch,bk1024,attn_bk128,attn_splits64}" ;;
     profile_bf16) part profile_bf16 120 python3 scripts/profile_decode.py --out "$work/profile_bf16" \
              --weights bf16 --impls pallas,xla --context 100000 ;;
     decode) part decode ${DECODE_LIMIT:-330} python3 scripts/bench_decode.py --out "$work/decode" --weights nvfp4,bf16 \
-             --impls pallas,xla --batches ${DECODE_BATCHES:-1,8} --contexts 100000,8192,32768,262144 \
+             --impls ${DECODE_IMPLS:-pallas,xla} --batches ${DECODE_BATCHES:-1,8} --contexts 100000,8192,32768,262144 \
              --xla-points 1:100000 --budget-s ${DECODE_BUDGET:-300} ;;
-    prefill) part prefill ${PREFILL_LIMIT:-200} python3 scripts/bench_prefill.py --check --no-sweep --skip moe,attn --out "$work/prefill" \
-             --budget-s ${PREFILL_BUDGET:-180} ;;
+    decode8) part decode8 ${DECODE8_LIMIT:-120} python3 scripts/bench_decode.py --out "$work/decode8" --weights nvfp4 \
+             --impls pallas --batches 8 --contexts 100000,8192,32768 --served-steps 0 --budget-s ${DECODE8_BUDGET:-100} ;;
+    prefill) part prefill ${PREFILL_LIMIT:-200} python3 scripts/bench_prefill.py ${PREFILL_ARGS:---check} --no-sweep \
+             --skip ${PREFILL_SKIP:-moe,attn} --out "$work/prefill" --budget-s ${PREFILL_BUDGET:-180} ;;
     tune) part tune ${TUNE_LIMIT:-240} python3 scripts/tune_weight_kernels.py --out "$work/tune" \
              --budget-s $(( ${TUNE_LIMIT:-240} - 20 )) ;;
     dispatch) part dispatch ${DISPATCH_LIMIT:-90} sh -c 'python3 scripts/dispatch_overhead.py --impl pallas && python3 scripts/dispatch_overhead.py --impl xla' ;;
@@ -72,7 +78,8 @@ done
 
 tar czf "$OUT/gpu_session.tgz" -C "$work" .
 cp "$work/summary.txt" "$OUT/"
-for f in profile/profile.md profile_bf16/profile.md decode/results.md prefill/bench_prefill.md; do
+for f in profile/profile.md profile_bf16/profile.md decode/results.md decode8/results.md prefill/bench_prefill.md; do
   [ -f "$work/$f" ] && cp "$work/$f" "$OUT/$(dirname "$f").md"
+  [ -f "$work/$(dirname "$f")/results.json" ] && cp "$work/$(dirname "$f")/results.json" "$OUT/$(dirname "$f").json"
 done
 cat "$work/summary.txt"

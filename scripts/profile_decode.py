@@ -44,13 +44,14 @@ def _variants():
         "prefetch": [(G, "TABLE_PREFETCH", True), (ME, "GATE_UP_BLOCK", (8, 512, 4, 3, False, True))],
         "prefetch_gemv": [(G, "TABLE_PREFETCH", True)],  # QKV / O / dense only (run A: gate/up got slower)
         "ring_splits16": [(DA, "RING_SPLITS", 16)],  # one 64-key block per split, 9 of 16 splits hold keys
-        "bk1024": [(G, "TABLE_BK", 1024), (ME, "GATE_UP_BLOCK", (8, 1024, 4, 3))],
+        "bk1024": [(G, "TABLE_BK", 1024), (ME, "GATE_UP_BLOCK", (8, 1024, 4, 3))],  # now the table for K < 4096
         "moe_bn16": [(ME, "GATE_UP_BLOCK", (16, 512, 4, 3)), (ME, "DOWN_BLOCK", (16, 512, 4, 1))],
         "attn_bk128": [(DA, "BLOCK_K", 128)],
         "attn_warps8": [(DA, "NUM_WARPS", 8)],
         "attn_splits64": [(DA, "MAX_SPLITS", 64)],
         "ring_splits4": [(DA, "RING_SPLITS", 4)],
         "combine_kernel": [(DA, "COMBINE_IN_KERNEL", False)],
+        "topk_per_program": [(ME, "ROUTE_IN_ROUTER", False)],  # before: every expert program recomputes top-k
     }
 
 

@@ -133,8 +133,10 @@ def main(argv=None) -> int:
             interpret=interpret)[0], E * H * 2),
     }
     # The LM head: one 175 MB weight (NVFP4), larger than the L2 by itself, run once per "layer" of the program.
-    cases["lm_head"] = (lm_head_grid(), lambda b: lambda layer, _: G.gemv_logits(
-        x, params.lm_head, norm_weight=params.final_norm, eps=cfg.rms_norm_eps, block=b, interpret=interpret),
+    # A different input per call: XLA merges identical calls (same weight, same input) into one.
+    xs = jax.random.normal(jax.random.key(5), (L, M, H), jnp.bfloat16)
+    cases["lm_head"] = (lm_head_grid(), lambda b: lambda layer, i: G.gemv_logits(
+        xs[i], params.lm_head, norm_weight=params.final_norm, eps=cfg.rms_norm_eps, block=b, interpret=interpret),
         nvfp4_bytes(cfg.vocab_size, H))
     results = {"device": jax.devices()[0].device_kind, "layers": L, "batch": M, "rows": []}
     for name in args.cases.split(","):

@@ -25,6 +25,8 @@ def test_bench_decode_tiny(tmp_path):
         assert p["forward_ms"] > 0 and p["forward_wall_ms"] > 0 and p["bytes"] > 0 and p["kernels"] > 0
         assert p["forward_device_ms"] is None  # no GPU: no device events, the headline falls back to wall time
     assert any("served_ms" in p for p in res["points"])
+    burst = [p for p in res["points"] if "served_steps" in p]
+    assert len(burst) == 1 and burst[0]["impl"] == "pallas" and burst[0]["served_burst_wall_ms_per_token"] > 0
     table = (tmp_path / "results.md").read_text()
     assert "| nvfp4 | pallas | 1 |" in table and "| nvfp4 | xla | 1 |" in table
 

@@ -86,8 +86,9 @@ def test_router_logits_and_fused_norm(m):
                                atol=1e-6 * float(jnp.max(jnp.abs(ref_logits))))
 
 
+@pytest.mark.parametrize("in_router", [False, True], ids=["top_k_kernel", "router_last_program"])
 @pytest.mark.parametrize("case", ["bias", "tied_rows", "all_tied"])
-def test_route_top_k_ties_and_bias(case):
+def test_route_top_k_ties_and_bias(case, in_router):
     """ids equal layers.route's, including exact ties (equal score + bias), which go to the lower expert index."""
     layer = layer_of("bf16")
     router, bias = layer.mlp.router, layer.mlp.router_bias
@@ -101,7 +102,19 @@ def test_route_top_k_ties_and_bias(case):
         router = jnp.zeros_like(router)
         bias = jnp.array([0.1, 0.3, 0.3, 0.0, 0.3, 0.2, 0.2, 0.0, 0.1, 0.3, 0.0, 0.0, 0.2, 0.0, 0.1, 0.3][:E], F32)
     h = hidden(11, 4)
-    ids, w = R.route(h, router, bias, CFG, norm_weight=layer.mlp_norm, interpret=INTERPRET)
+    k = CFG.num_experts_per_tok
+    if in_router:  # the router kernel's last-arriving program selects for every row (the decode MoE block's path)
+        logits, _, ids_p, w_p = jax.jit(lambda h, r, b: R.router_logits(
+            h, r, norm_weight=layer.mlp_norm, interpret=INTERPRET, block=(2, 64, 4, 1), select=(b, CFG)))(
+            h, router, bias)
+        assert ids_p.shape == (4, 8) and not np.asarray(ids_p[:, k:]).any() and not np.asarray(w_p[:, k:]).any()
+        ids, w = ids_p[:, :k], w_p[:, :k]
+        # and exactly what select_experts (the per-program path) makes of the same logits
+        top_ids, top_w = R.top_k_experts(logits, bias, CFG, interpret=INTERPRET)
+        np.testing.assert_array_equal(np.asarray(ids), np.asarray(top_ids))
+        np.testing.assert_array_equal(np.asarray(w), np.asarray(top_w))
+    else:
+        ids, w = R.route(h, router, bias, CFG, norm_weight=layer.mlp_norm, interpret=INTERPRET)
     ref_ids, ref_w = R.ref_route(h, router, bias, CFG, norm_weight=layer.mlp_norm)
     np.testing.assert_array_equal(np.asarray(ids), np.asarray(ref_ids))
     np.testing.assert_allclose(np.asarray(w), np.asarray(ref_w), rtol=1e-6, atol=1e-7)
@@ -115,6 +128,18 @@ def test_moe_block_matches_mlp_block(kind, m):
     layer = layer_of(kind)
     h = hidden(100 + m, m)
     assert_residual_close(run_block(kernel_block, h, layer, CFG), run_block(layers.mlp_block, h, layer, CFG), h)
+
+
+@pytest.mark.parametrize("m", [1, 8])
+def test_moe_block_routing_paths_agree(m, monkeypatch):
+    """Top-k in the router's last program (ROUTE_IN_ROUTER) or in every expert program: the same output bits."""
+    layer = layer_of("nvfp4")
+    h = hidden(200 + m, m)
+    outs = []
+    for flag in (True, False):
+        monkeypatch.setattr(X, "ROUTE_IN_ROUTER", flag)
+        outs.append(np.asarray(run_block(kernel_block, h, layer, CFG)))
+    np.testing.assert_array_equal(outs[0], outs[1])
 
 
 @pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
