@@ -113,8 +113,12 @@ def _blocks(impl: str, T: int) -> Blocks:
     raise ValueError(f"impl must be 'xla' or 'pallas', got {impl!r}")
 
 
-def lm_logits(params: Params, h: jax.Array, cfg: FlintConfig) -> jax.Array:
-    """FP32 logits from final hidden states."""
+def lm_logits(params: Params, h: jax.Array, cfg: FlintConfig, impl: str = "xla") -> jax.Array:
+    """FP32 logits from final hidden states. impl="pallas" uses the LM-head kernel where it is the faster one
+    (pallas_path.lm_logits), else the reference."""
+    if impl == "pallas":
+        from flint_jax import pallas_path
+        return pallas_path.lm_logits(params, h, cfg)
     return L.logits_from_hidden(h, params.final_norm, params.lm_head, cfg.rms_norm_eps)
 
 

@@ -110,6 +110,28 @@ def _decode_mlp(h, layer, cfg):
     return _kernels()["decode_mlp"](h[:, 0], layer, cfg, interpret=_interpret())[:, None]
 
 
+# The LM-head kernel (gemv.gemv_logits, final norm fused) runs for NVFP4 heads at up to this many rows: measured on
+# the H200 (docs/BENCHMARKS.md) it streams the 175 MB NVFP4 head 2.75x faster than XLA at one row, where XLA first
+# writes a 620 MB BF16 copy (in the served step: a 370 us convert plus a 153 us GEMM), but is slower at 8 rows,
+# and for BF16 heads XLA's GEMM is as fast.
+LM_HEAD_KERNEL_MAX_ROWS = 2
+
+
+def lm_logits(params, h, cfg):
+    """`model.lm_logits` on the Pallas path: FP32 logits of h [..., H]."""
+    from flint_jax.nvfp4 import NVFP4Weight
+    lead = h.shape[:-1]
+    rows = 1
+    for n in lead:
+        rows *= n
+    if not isinstance(params.lm_head, NVFP4Weight) or rows > LM_HEAD_KERNEL_MAX_ROWS:
+        return L.logits_from_hidden(h, params.final_norm, params.lm_head, cfg.rms_norm_eps)
+    from flint_jax.pallas_kernels import gemv
+    out = gemv.gemv_logits(h.reshape(rows, h.shape[-1]), params.lm_head, norm_weight=params.final_norm,
+                           eps=cfg.rms_norm_eps, interpret=_interpret())
+    return out.reshape(*lead, -1)
+
+
 def blocks(T: int):
     """The (attention, mlp) halves for chunks of T tokens."""
     from flint_jax.model import Blocks, attention_block

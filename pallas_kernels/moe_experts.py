@@ -2,7 +2,8 @@
 
     moe_block(h, layer, cfg)        = layers.mlp_block(h, layer, cfg) for an MoE layer, in three kernels:
         1. router.router_logits     b = rmsnorm(h), FP32 logits = b @ router.T                      [M, E]
-                                    and (ROUTE_IN_ROUTER) the top-k ids and weights, by its last program
+                                    and (ROUTE_IN_ROUTER, off by default) the top-k ids and weights, by its
+                                    last program
         2. expert_gate_up           per (token, slot) pair and block of I rows: the slot's expert id (read, or
                                     recomputed from the logits), the expert's gate and up rows streamed once,
                                     SwiGLU fused;
@@ -12,10 +13,11 @@
                                     residual                                                        h_new [M, H]
     dense_mlp_block(h, layer, cfg)  = layers.mlp_block for a dense layer: gemv_swiglu + gemv(residual), two kernels.
 
-Expert ids are data: a program reads them (or derives them from the logits) at run time and indexes the stacked [E, N, K] weights
-with them (Triton pointer arithmetic), so one compiled kernel serves every routing and only the selected experts'
-bytes are read. With M tokens each (token, slot) pair reads its expert once (as layers.routed_experts_gathered
-does); two tokens that pick one expert read it twice, which at M <= 8 costs less than a sort.
+Expert ids are data: a program derives them from the logits (or reads them) at run time and indexes the stacked
+[E, N, K] weights with them (Triton pointer arithmetic), so one compiled kernel serves every routing and only the
+selected experts' bytes are read. With M tokens each (token, slot) pair reads its expert once (as
+layers.routed_experts_gathered does); two tokens that pick one expert read it twice, which at M <= 8 costs less
+than a sort.
 """
 
 from __future__ import annotations
@@ -34,12 +36,15 @@ from flint_jax.pallas_kernels import router as router_mod
 from flint_jax.pallas_kernels import weight_tiles as wt
 
 F32, BF16 = jnp.float32, jnp.bfloat16
-# (rows of I per program, K tile, warps, stages); a 1024 K tile: 8.4 us vs 8.9 with 512 on the H200 (tune_weight_kernels)
+# (rows of I per program, K tile, warps, stages); 1024-value K tiles: 8.4 us vs 8.9 with 512 on the H200
 GATE_UP_BLOCK = (8, 1024, 4, 3)
 DOWN_BLOCK = (8, 512, 4, 1)  # (rows of H per program, ...); I = 512 is one K step for Flint
-ROUTER_BLOCK = (2, 2048, 8, 1)
+ROUTER_BLOCK = (2, 2048, 8, 1)  # 8 warps: 2.43 vs 2.53 us on the H200 (tune_weight_kernels)
 # The top-k once, in the router kernel's last program (router.py), instead of in every expert-kernel program.
-ROUTE_IN_ROUTER = True  # 8 warps: 2.43 vs 2.53 us on the H200
+# Off: measured in the whole step on the H200 (run G, docs/BENCHMARKS.md) it cost more than it saved: the expert
+# kernels got faster (gate/up 8.5 -> 7.1 us, down 7.0 -> 5.4) but the router's serial top-k tail (2.8 -> 5.8 us)
+# and the counter's zeroing copy (one more launch, 0.9 us) ate it: 2.962 vs 2.916 ms per step at 100K.
+ROUTE_IN_ROUTER = False
 
 
 def _pick(e_or_n: int, k: int, kind: str, block) -> tuple[int, int, int, int, bool, bool]:

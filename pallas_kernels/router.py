@@ -11,7 +11,9 @@ Top-k needs all E logits. With `select`, the program that arrives last at an ato
 has stored its logits) runs it for all rows at once and writes the expert ids and weights (KP = k rounded up to a
 power of two; slots past k are 0): the expert kernels then start their weight loads after a 64-byte read instead of
 6 dependent rounds of max / first-index / mask over E in each of their programs (`moe_experts.ROUTE_IN_ROUTER`).
-Without it, every expert-kernel program recomputes the top-k from the 1 KB of logits. Ties go to the lower expert
+On the H200 that made the step slower (the serial tail and the counter's zeroing outweigh the expert kernels'
+gain; numbers at ROUTE_IN_ROUTER), so by default every expert-kernel program recomputes the top-k from the 1 KB of
+logits. Ties go to the lower expert
 index, as `jax.lax.top_k` does in layers.route.
 """
 

@@ -124,7 +124,7 @@ def make_steps(cfg: FlintConfig, impl: str):
     def served(params, state, tokens, lengths, keys):
         state = dataclasses.replace(state, lengths=lengths)
         h, state = M.model_step(params, state, tokens[:, None], jnp.ones_like(tokens), cfg, impl=impl)
-        logits = M.lm_logits(params, h[:, 0], cfg)
+        logits = M.lm_logits(params, h[:, 0], cfg, impl=impl)
         B = tokens.shape[0]
         nxt = sample(logits, keys, jnp.ones(B), jnp.full((B,), 20, jnp.int32), jnp.full((B,), 0.95))
         return nxt, state

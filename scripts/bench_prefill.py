@@ -725,7 +725,8 @@ def main(argv=None) -> int:
     ap.add_argument("--long", type=int, default=None, help="TTFT prompt length (default 100000)")
     ap.add_argument("--weights", default="nvfp4,bf16", help="weight formats to run, in order")
     ap.add_argument("--no-sweep", action="store_true", help="skip the block sweeps (table defaults)")
-    ap.add_argument("--skip", default="", help="comma list of sections to skip: moe,attn,prefill,ttft,extras (chunked and reference runs)")
+    ap.add_argument("--skip", default="",
+                    help="comma list of sections to skip: moe,attn,prefill,ttft,extras (chunked and reference runs)")
     args = ap.parse_args(argv)
     run = Run(args)
     tiny = args.tiny

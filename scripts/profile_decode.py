@@ -51,7 +51,8 @@ def _variants():
         "attn_splits64": [(DA, "MAX_SPLITS", 64)],
         "ring_splits4": [(DA, "RING_SPLITS", 4)],
         "combine_kernel": [(DA, "COMBINE_IN_KERNEL", False)],
-        "topk_per_program": [(ME, "ROUTE_IN_ROUTER", False)],  # before: every expert program recomputes top-k
+        "topk_per_program": [(ME, "ROUTE_IN_ROUTER", False)],  # the default since run G
+        "topk_in_router": [(ME, "ROUTE_IN_ROUTER", True)],
     }
 
 
