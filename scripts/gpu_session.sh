@@ -9,6 +9,7 @@
 #             per-kernel time inside the whole step (scripts/profile_decode.py)
 #   profile_bf16  the same for BF16, Pallas and the XLA reference
 #   decode    end-to-end decode benchmark (issue 6): NVFP4 and BF16, both impls, batch 1 and 8, 8K..262K
+#             (DECODE_SERVED_STEPS=0 skips the engine-burst point: its 4-step program compiles in ~90 s)
 #   decode8   the same for NVFP4 Pallas at batch 8 (8K, 32K, 100K)
 #   prefill   8K prefill and 100K TTFT (issue 7), kernels checked against references first
 #   tune      device time of each weight-streaming kernel over a grid of block settings (scripts/tune_weight_kernels.py)
@@ -62,7 +63,7 @@ for p in $parts; do
              --weights bf16 --impls pallas,xla --context 100000 ;;
     decode) part decode ${DECODE_LIMIT:-330} python3 scripts/bench_decode.py --out "$work/decode" --weights nvfp4,bf16 \
              --impls ${DECODE_IMPLS:-pallas,xla} --batches ${DECODE_BATCHES:-1,8} --contexts 100000,8192,32768,262144 \
-             --xla-points 1:100000 --budget-s ${DECODE_BUDGET:-300} ;;
+             --xla-points 1:100000 --served-steps ${DECODE_SERVED_STEPS:-4} --budget-s ${DECODE_BUDGET:-300} ;;
     decode8) part decode8 ${DECODE8_LIMIT:-120} python3 scripts/bench_decode.py --out "$work/decode8" --weights nvfp4 \
              --impls pallas --batches 8 --contexts 100000,8192,32768 --served-steps 0 --budget-s ${DECODE8_BUDGET:-100} ;;
     prefill) part prefill ${PREFILL_LIMIT:-200} python3 scripts/bench_prefill.py ${PREFILL_ARGS:---check} --no-sweep \
