@@ -4,7 +4,10 @@ Builds `FlintConfig.flint()` with synthetic weights directly on the device (no c
 to the requested context with random values, and times the jitted decode step: on the device (a profiler trace of
 five steps, flint_jax.device_trace; the headline) and by the wall clock. For each point it reports ms, the
 bytes a step must read (active weights + KV, from the config), the achieved fraction of the HBM bandwidth measured
-in the same run, and the number of kernels in the compiled step.
+in the same run, and the kernels launched per step (from the trace). At batch 1 and the first context it also
+times the served step (forward + LM head + sampling) and the engine's multi-step decode (`--served-steps`).
+Writes results.json, results.md (every point, then a summary shaped like vLLM's: initial = impl "xla",
+optimized = impl "pallas", per checkpoint) and latency_vs_context.png (forward latency with the roofline).
 
     python scripts/bench_decode.py --out results/            # the full GPU run (one H200)
     python scripts/bench_decode.py --tiny --out /tmp/bench   # CPU smoke test of the same code path
@@ -350,10 +353,42 @@ def write_markdown(results: dict, path: str) -> None:
     for p in results["points"]:
         lines.append(f"| {p['weights']} | {p['impl']} | {p['batch']} | {p['context']} | {ms(p, 'forward_ms')} | "
                      f"{ms(p, 'forward_wall_ms')} | {ms(p, 'served_ms')} | {ms(p, 'served_wall_ms')} | "
-                     f"{ms(p, 'served_burst_wall_ms_per_token')} | {p['kernels']} | {p['bytes'] / 1e9:.2f} | {p['roofline_ms']:.3f} | "
-                     f"{100 * p['hbm_fraction']:.0f}% |")
+                     f"{ms(p, 'served_burst_wall_ms_per_token')} | {p['kernels']} | {p['bytes'] / 1e9:.2f} | "
+                     f"{p['roofline_ms']:.3f} | {100 * p['hbm_fraction']:.0f}% |")
+    lines += ["", *vllm_table(results)]
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
+
+
+def vllm_table(results: dict) -> list[str]:
+    """The summary shaped like vLLM's announcement: per checkpoint, the initial implementation (impl="xla") and the
+    optimized one (impl="pallas") at batch 1 and the headline context (100K, else the longest both measured), next
+    to vLLM's GB200 figures."""
+    ones = [p for p in results["points"] if p["batch"] == 1]
+    if not ones:
+        return []
+    both = ({p["context"] for p in ones if p["impl"] == "xla"} & {p["context"] for p in ones if p["impl"] == "pallas"})
+    ctx = 100_000 if any(p["context"] == 100_000 for p in ones) else max(both or {p["context"] for p in ones})
+    out = [f"Summary at batch 1, context {ctx} (ms are device time where traced):", "",
+           "| checkpoint | metric | vLLM, GB200 | initial (impl=xla) | optimized (impl=pallas) |",
+           "|---|---|---|---|---|"]
+
+    def cell(weights, impl, key, fmt):
+        for p in ones:
+            if (p["weights"], p["impl"], p["context"]) == (weights, impl, ctx) and p.get(key) is not None:
+                return fmt.format(p[key])
+        return "-"
+    for weights in sorted({p["weights"] for p in ones}):
+        rows = [("decode forward ms", VLLM_GB200.get(f"{weights}_forward_ms"), "forward_ms", "{:.3f}"),
+                ("served ms/token (one step per call)", VLLM_GB200["served_ms"] if weights == "nvfp4" else None,
+                 "served_ms", "{:.3f}"),
+                ("served ms/token wall, engine burst", None, "served_burst_wall_ms_per_token", "{:.3f}"),
+                ("kernels per step", VLLM_GB200["kernels"], "kernels", "{}"),
+                ("% of HBM bandwidth", None, "hbm_fraction", "{:.0%}")]
+        for name, ref, key, fmt in rows:
+            out.append(f"| {weights} | {name} | {'-' if ref is None else ref} | {cell(weights, 'xla', key, fmt)} | "
+                       f"{cell(weights, 'pallas', key, fmt)} |")
+    return out
 
 
 def write_plot(results: dict, path: str) -> None:

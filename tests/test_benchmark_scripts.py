@@ -29,6 +29,10 @@ def test_bench_decode_tiny(tmp_path):
     assert len(burst) == 1 and burst[0]["impl"] == "pallas" and burst[0]["served_burst_wall_ms_per_token"] > 0
     table = (tmp_path / "results.md").read_text()
     assert "| nvfp4 | pallas | 1 |" in table and "| nvfp4 | xla | 1 |" in table
+    # the vLLM-shaped summary: initial (xla) and optimized (pallas) columns filled from the measured points
+    row = next(line for line in table.splitlines() if line.startswith("| nvfp4 | decode forward ms |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[2] == "1.78" and cells[3] != "-" and cells[4] != "-"
 
 
 def test_profile_decode_tiny(tmp_path):
