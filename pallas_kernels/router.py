@@ -33,19 +33,21 @@ from flint_jax.pallas_kernels import weight_tiles as wt
 F32, BF16 = jnp.float32, jnp.bfloat16
 
 
-def select_experts(logits: jax.Array, bias: jax.Array, k: int, norm_topk_prob: bool, scaling: float):
-    """In-kernel sigmoid top-k of one token. logits, bias f32 [E] -> (k expert ids, k weights) as scalars.
-    Selection by score + bias, ties to the lower index; weights from the unbiased score (layers.route)."""
-    e = logits.shape[0]
+def _top_k_rounds(logits: jax.Array, bias: jax.Array, k: int, norm_topk_prob: bool, scaling: float):
+    """k rounds of max / first index / mask over the last axis of logits ([E], or [R, E] per row): (k ids, k weights),
+    each a scalar or an [R] vector. Selection by sigmoid score + bias, ties to the lower index; weights from the
+    unbiased score, normalised over the k and scaled (layers.route)."""
+    axis = None if logits.ndim == 1 else 1
+    keep = (lambda v: v) if axis is None else (lambda v: v[:, None])  # a per-row value against its row
     scores = 1.0 / (1.0 + jnp.exp(-logits))
     sel = scores + bias
-    iota = jax.lax.broadcasted_iota(jnp.int32, (e,), 0)
+    iota = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
     ids, ws = [], []
     for _ in range(k):
-        top = jnp.max(sel)
-        idx = jnp.min(jnp.where(sel == top, iota, e))
-        hit = iota == idx
-        ws.append(jnp.sum(jnp.where(hit, scores, 0.0)))
+        top = jnp.max(sel, axis=axis)
+        idx = jnp.min(jnp.where(sel == keep(top), iota, logits.shape[-1]), axis=axis)
+        hit = iota == keep(idx)
+        ws.append(jnp.sum(jnp.where(hit, scores, 0.0), axis=axis))
         ids.append(idx)
         sel = jnp.where(hit, -jnp.inf, sel)
     if norm_topk_prob:
@@ -56,31 +58,22 @@ def select_experts(logits: jax.Array, bias: jax.Array, k: int, norm_topk_prob: b
     return ids, [w * scaling for w in ws]
 
 
+def select_experts(logits: jax.Array, bias: jax.Array, k: int, norm_topk_prob: bool, scaling: float):
+    """In-kernel sigmoid top-k of one token. logits, bias f32 [E] -> (k expert ids, k weights) as scalars.
+    Selection by score + bias, ties to the lower index; weights from the unbiased score (layers.route)."""
+    return _top_k_rounds(logits, bias, k, norm_topk_prob, scaling)
+
+
 def select_experts_rows(logits: jax.Array, bias: jax.Array, k: int, kp: int, norm_topk_prob: bool, scaling: float):
     """select_experts for every row of logits [R, E] at once -> (ids [R, kp] int32, weights [R, kp] f32), slots
     past k zero. The same operations in the same order per row, so the same ids and bit-identical weights."""
-    r, e = logits.shape
-    scores = 1.0 / (1.0 + jnp.exp(-logits))
-    sel = scores + bias[None, :]
-    iota = jax.lax.broadcasted_iota(jnp.int32, (r, e), 1)
-    ids, ws = [], []
-    for _ in range(k):
-        top = jnp.max(sel, axis=1)
-        idx = jnp.min(jnp.where(sel == top[:, None], iota, e), axis=1)
-        hit = iota == idx[:, None]
-        ws.append(jnp.sum(jnp.where(hit, scores, 0.0), axis=1))
-        ids.append(idx)
-        sel = jnp.where(hit, -jnp.inf, sel)
-    if norm_topk_prob:
-        total = ws[0]
-        for w in ws[1:]:
-            total = total + w
-        ws = [w / total for w in ws]
+    r = logits.shape[0]
+    ids, ws = _top_k_rounds(logits, bias, k, norm_topk_prob, scaling)
     slot = jax.lax.broadcasted_iota(jnp.int32, (r, kp), 1)
     id_out, w_out = jnp.zeros((r, kp), jnp.int32), jnp.zeros((r, kp), F32)
     for s in range(k):
         id_out = jnp.where(slot == s, ids[s][:, None], id_out)
-        w_out = jnp.where(slot == s, (ws[s] * scaling)[:, None], w_out)
+        w_out = jnp.where(slot == s, ws[s][:, None], w_out)
     return id_out, w_out
 
 
