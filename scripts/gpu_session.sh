@@ -9,7 +9,8 @@
 #             per-kernel time inside the whole step (scripts/profile_decode.py)
 #   profile_bf16  the same for BF16, Pallas and the XLA reference
 #   decode    end-to-end decode benchmark (issue 6): NVFP4 and BF16, both impls, batch 1 and 8, 8K..262K
-#             (DECODE_SERVED_STEPS=0 skips the engine-burst point: its 4-step program compiles in ~90 s)
+#             (DECODE_SERVED_STEPS=0 skips the engine-burst point: compiling and timing its 4-step program
+#             took 114 s in run F)
 #   decode8   the same for NVFP4 Pallas at batch 8 (8K, 32K, 100K)
 #   prefill   8K prefill and 100K TTFT (issue 7), kernels checked against references first
 #   tune      device time of each weight-streaming kernel over a grid of block settings (scripts/tune_weight_kernels.py)
