@@ -76,13 +76,13 @@ def device_ms(events: list[dict], steps: int) -> float | None:
 
 
 def summarize(events: list[dict], steps: int) -> dict:
-    """Per kernel name: launches per step, mean us, us per step and share of the kernel time."""
+    """Per kernel name: launches per step, mean and median us, us per step and share of the kernel time."""
     by_name = collections.defaultdict(list)
     for e in events:
         by_name[e["name"]].append(float(e["dur"]))
     total = sum(sum(v) for v in by_name.values())
-    rows = [{"name": name, "per_step": len(d) / steps, "mean_us": sum(d) / len(d), "us_per_step": sum(d) / steps,
-             "share": sum(d) / total if total else 0.0}
+    rows = [{"name": name, "per_step": len(d) / steps, "mean_us": sum(d) / len(d), "median_us": statistics.median(d),
+             "us_per_step": sum(d) / steps, "share": sum(d) / total if total else 0.0}
             for name, d in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))]
     return {"kernel_us_per_step": total / steps, "launches_per_step": len(events) / steps, "rows": rows,
             "step_spans_ms": step_spans(events, steps)}

@@ -4,7 +4,8 @@ Each request owns a slot (a row of the state). New requests are prefilled in chu
 chunk call), then all active slots decode together. A finished request frees its slot for the next one in the queue.
 Jitted programs do all device work: `prefill_chunk`, and `decode_steps` (`steps_per_dispatch` decode steps in one
 program, each step's sampled token feeding the next on the device), each over the donated state; sampling runs
-inside them so a call returns token ids, not logits. `decode` is the single step with caller-supplied keys.
+inside them so a call returns token ids, not logits. `decode` is the single step with caller-supplied keys (what
+scripts/bench_decode.py times as the served step).
 
 Why several steps per dispatch: on the GPU the host needs about as long to dispatch one step (~2,000 argument
 buffers and a CUDA-graph update) as the device needs to run it (docs/BENCHMARKS.md, "Host overhead"), so one step

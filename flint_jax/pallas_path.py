@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import math
 
 import jax
 
@@ -121,9 +122,7 @@ def lm_logits(params, h, cfg):
     """`model.lm_logits` on the Pallas path: FP32 logits of h [..., H]."""
     from flint_jax.nvfp4 import NVFP4Weight
     lead = h.shape[:-1]
-    rows = 1
-    for n in lead:
-        rows *= n
+    rows = math.prod(lead)
     if not isinstance(params.lm_head, NVFP4Weight) or rows > LM_HEAD_KERNEL_MAX_ROWS:
         return L.logits_from_hidden(h, params.final_norm, params.lm_head, cfg.rms_norm_eps)
     from flint_jax.pallas_kernels import gemv

@@ -13,8 +13,7 @@ power of two; slots past k are 0): the expert kernels then start their weight lo
 6 dependent rounds of max / first-index / mask over E in each of their programs (`moe_experts.ROUTE_IN_ROUTER`).
 On the H200 that made the step slower (the serial tail and the counter's zeroing outweigh the expert kernels'
 gain; numbers at ROUTE_IN_ROUTER), so by default every expert-kernel program recomputes the top-k from the 1 KB of
-logits. Ties go to the lower expert
-index, as `jax.lax.top_k` does in layers.route.
+logits. Ties go to the lower expert index, as `jax.lax.top_k` does in layers.route.
 """
 
 from __future__ import annotations
@@ -164,19 +163,12 @@ def router_logits(h: jax.Array, router: jax.Array, *, norm_weight: jax.Array | N
 
 def _topk_kernel(logits_ref, bias_ref, ids_ref, w_ref, *, k, kp, norm, scaling):
     t = pl.program_id(0)
-    ids, ws = select_experts(logits_ref[t, :], bias_ref[...], k, norm, scaling)
-    slot = jax.lax.broadcasted_iota(jnp.int32, (kp,), 0)
-    id_vec = jnp.zeros((kp,), jnp.int32)
-    w_vec = jnp.zeros((kp,), F32)
-    for s in range(k):
-        id_vec = jnp.where(slot == s, ids[s], id_vec)
-        w_vec = jnp.where(slot == s, ws[s], w_vec)
-    ids_ref[0, :] = id_vec
-    w_ref[0, :] = w_vec
+    ids_ref[...], w_ref[...] = select_experts_rows(logits_ref[pl.ds(t, 1), :], bias_ref[...], k, kp, norm, scaling)
 
 
 def top_k_experts(logits: jax.Array, bias: jax.Array, cfg: FlintConfig, *, interpret: bool = False):
-    """Sigmoid top-k of FP32 logits [M, E] (select_experts, one program per token) -> (ids [M, k], weights [M, k])."""
+    """Sigmoid top-k of FP32 logits [M, E] (select_experts_rows, one program per token) -> (ids [M, k], weights
+    [M, k])."""
     m, e = logits.shape
     k = cfg.num_experts_per_tok
     kp = wt.pow2_rows(k)

@@ -39,10 +39,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from flint_jax import device_trace  # noqa: E402
+from flint_jax import engine as E  # noqa: E402
 from flint_jax import model as M  # noqa: E402
 from flint_jax.config import FlintConfig  # noqa: E402
 from flint_jax.params import init_params, weight_bytes_per_token  # noqa: E402
-from flint_jax.sampling import sample  # noqa: E402
 from flint_jax.state import FullCache, KVState, RingCache, kv_bytes_read  # noqa: E402
 
 VLLM_GB200 = {"nvfp4_forward_ms": 1.78, "bf16_forward_ms": 2.34, "served_ms": 2.06, "kernels": 346,
@@ -124,21 +124,17 @@ def make_steps(cfg: FlintConfig, impl: str):
         return h[:, 0], state
 
     @functools.partial(jax.jit, donate_argnums=(1,))
-    def served(params, state, tokens, lengths, keys):
+    def served(params, state, tokens, lengths, keys):  # the engine's single step: forward + LM head + sampling
         state = dataclasses.replace(state, lengths=lengths)
-        h, state = M.model_step(params, state, tokens[:, None], jnp.ones_like(tokens), cfg, impl=impl)
-        logits = M.lm_logits(params, h[:, 0], cfg, impl=impl)
         B = tokens.shape[0]
-        nxt = sample(logits, keys, jnp.ones(B), jnp.full((B,), 20, jnp.int32), jnp.full((B,), 0.95))
-        return nxt, state
+        return E.decode(params, state, tokens, jnp.ones(B, bool), keys, jnp.ones(B), jnp.full((B,), 20, jnp.int32),
+                        jnp.full((B,), 0.95), cfg=cfg, impl=impl)
     return forward, served
 
 
 def make_burst(cfg: FlintConfig, impl: str, num_steps: int):
     """The engine's multi-step decode (engine.decode_steps: `num_steps` forwards + LM heads + samplings, each
     sampled token feeding the next step, one dispatch), restarted at `lengths` on every call like make_steps."""
-    from flint_jax import engine as E
-
     @functools.partial(jax.jit, donate_argnums=(1,))
     def burst(params, state, tokens, lengths, keys):
         state = dataclasses.replace(state, lengths=lengths)

@@ -18,7 +18,6 @@ import dataclasses
 import itertools
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -160,14 +159,10 @@ def main(argv=None) -> int:
                     continue
                 tdir = os.path.join(args.out, "traces", f"{name}_{len(results['rows'])}")
                 events = device_trace.trace_kernels(lambda: [prog(layers) for _ in range(args.reps)][-1], tdir)
-                by_name = {}
-                for e in events:
-                    by_name.setdefault(e["name"], []).append(float(e["dur"]))
                 # the kernel under test: the name launched once per layer per rep with the most time
-                launches = [(sum(d), kname, d) for kname, d in by_name.items() if len(d) == L * args.reps]
-                _, kname, durs = max(launches)
-                us = statistics.median(durs)
-                row.update(kernel=kname, us=us, GBps=nbytes / us / 1e3)
+                rows = device_trace.summarize(events, args.reps)["rows"]
+                k = max((r for r in rows if r["per_step"] == L), key=lambda r: r["us_per_step"])
+                row.update(kernel=k["name"], us=k["median_us"], GBps=nbytes / k["median_us"] / 1e3)
             except Exception as e:  # noqa: BLE001  (a setting the shape or the compiler refuses)
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             results["rows"].append(row)
