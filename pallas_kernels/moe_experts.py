@@ -1,6 +1,8 @@
 """Routed + shared experts of a Flint MoE layer for decode (M <= 8 tokens), and the MLP half of a layer.
 
-    moe_block(h, layer, cfg)        = layers.mlp_block(h, layer, cfg) for an MoE layer, in three kernels:
+    moe_block(h, layer, cfg)        = layers.mlp_block(h, layer, cfg) for an MoE layer; at most 2 tokens: the
+                                      three phases below in one persistent kernel (moe_persistent.py), else in
+                                      three kernels:
         1. router.router_logits     b = rmsnorm(h), FP32 logits = b @ router.T                      [M, E]
                                     and (ROUTE_IN_ROUTER, off by default) the top-k ids and weights, by its
                                     last program
@@ -45,6 +47,9 @@ ROUTER_BLOCK = (2, 2048, 8, 1)  # 8 warps: 2.43 vs 2.53 us on the H200 (tune_wei
 # kernels got faster (gate/up 8.5 -> 7.1 us, down 7.0 -> 5.4) but the router's serial top-k tail (2.8 -> 5.8 us)
 # and the counter's zeroing copy (one more launch, 0.9 us) ate it: 2.962 vs 2.916 ms per step at 100K.
 ROUTE_IN_ROUTER = False
+# Blocks of at most moe_persistent.PERSISTENT_MAX_ROWS tokens run as one persistent kernel (router, gate/up and down
+# phases behind grid barriers, moe_persistent.py) instead of the three kernels below.
+PERSISTENT = True
 
 
 def _pick(e_or_n: int, k: int, kind: str, block) -> tuple[int, int, int, int, bool, bool]:
@@ -60,51 +65,74 @@ def _slot_value(vec: jax.Array, slot) -> jax.Array:
     return jnp.sum(jnp.where(jax.lax.broadcasted_iota(jnp.int32, vec.shape, 0) == slot, vec, jnp.zeros_like(vec)))
 
 
-def _routing(route_refs, t, k, norm, scaling):
-    """Token t's k expert ids and weights: read from the router's output (route_refs = (ids_ref, w_ref)), or
-    recomputed from the logits (route_refs = (logits_ref, bias_ref))."""
-    a_ref, b_ref = route_refs
-    if a_ref.dtype == jnp.int32:
-        ids_row, w_row = a_ref[t, :], b_ref[t, :]
-        return [_slot_value(ids_row, s) for s in range(k)], [_slot_value(w_row, s) for s in range(k)]
-    return router_mod.select_experts(a_ref[t, :], b_ref[...], k, norm, scaling)
+def routing_from_refs(route_a, route_b, k, norm, scaling):
+    """token(t) -> (k expert ids, k weights) of token t: read from the router's output (route_a, route_b = ids_ref,
+    w_ref), or recomputed from the logits (logits_ref, bias_ref) on every call."""
+    def token(t):
+        if route_a.dtype == jnp.int32:
+            ids_row, w_row = route_a[t, :], route_b[t, :]
+            return [_slot_value(ids_row, s) for s in range(k)], [_slot_value(w_row, s) for s in range(k)]
+        return router_mod.select_experts(route_a[t, :], route_b[...], k, norm, scaling)
+    return token
 
 
-def _gate_up_kernel(route_a, route_b, x_ref, *refs, m, k, g_spec, s_spec, has_shared, bn, bk, norm, scaling,
-                    elementwise, prefetch):
-    refs = list(refs)
-    o_ref = refs.pop()
-    ng, ns = g_spec.num_operands, (s_spec.num_operands if has_shared else 0)
-    gate, up = refs[:ng], refs[ng:2 * ng]
-    sgate, sup = refs[2 * ng:2 * ng + ns], refs[2 * ng + ns:2 * ng + 2 * ns]
-    p = pl.program_id(0)
-    n0 = pl.multiple_of(pl.program_id(1) * bn, bn)
-    xs = wt.XSource(x_ref, g_spec.kind)
+def routing_from_rows(ids: jax.Array, ws: jax.Array, k: int):
+    """token(t) for the top-k of every row already in registers (router.select_experts_rows: ids, ws [R, KP])."""
+    row = jax.lax.broadcasted_iota(jnp.int32, ids.shape, 0)
+    col = jax.lax.broadcasted_iota(jnp.int32, ids.shape, 1)
+
+    def token(t):
+        hit = [(row == t) & (col == s) for s in range(k)]
+        return ([jnp.sum(jnp.where(h, ids, 0)) for h in hit], [jnp.sum(jnp.where(h, ws, 0.0)) for h in hit])
+    return token
+
+
+def _slot_expert(ids, slot):
+    e = ids[0]
+    for s in range(1, len(ids)):
+        e = jnp.where(slot == s, ids[s], e)
+    return e
+
+
+def gate_up_tile(p, blk, token, xs, g_spec, gate, up, s_spec, sgate, sup, store, *, m, k, bn, bk, elementwise,
+                 prefetch):
+    """Rows [blk*bn, (blk+1)*bn) of pair p's SwiGLU activations: pair t*k + s is token t's slot-s expert (from
+    token(t)), pair M*k + t token t's shared expert (s_spec None: no shared expert). store(p, n0, values bf16 [bn])."""
+    n0 = pl.multiple_of(blk * bn, bn)
 
     def run(spec, g_refs, u_refs, t, e):
         acc_g, acc_u = wt.stream_rows([xs], [t], [(spec, g_refs), (spec, u_refs)], [e, e], n0, bn, bk,
                                       elementwise=elementwise, prefetch=prefetch)
         g = wt.apply_global_scale(acc_g, wt.global_scale(spec, g_refs, e)).astype(BF16)
         u = wt.apply_global_scale(acc_u, wt.global_scale(spec, u_refs, e)).astype(BF16)
-        o_ref[0, :] = gemv_mod.swiglu_f32(g, u)
+        store(p, n0, gemv_mod.swiglu_f32(g, u))
 
     @pl.when(p < m * k)
     def _routed():
         t = p // k
-        slot = p - t * k
-        if route_a.dtype == jnp.int32:  # the router's ids: one load
-            e = _slot_value(route_a[t, :], slot)
-        else:
-            ids, _ = router_mod.select_experts(route_a[t, :], route_b[...], k, norm, scaling)
-            e = ids[0]
-            for s in range(1, k):
-                e = jnp.where(slot == s, ids[s], e)
-        run(g_spec, gate, up, t, e)
+        ids, _ = token(t)
+        run(g_spec, gate, up, t, _slot_expert(ids, p - t * k))
 
-    if has_shared:
+    if s_spec is not None:
         @pl.when(p >= m * k)
         def _shared():
             run(s_spec, sgate, sup, p - m * k, 0)
+
+
+def _gate_up_kernel(route_a, route_b, x_ref, *refs, m, k, g_spec, s_spec, bn, bk, norm, scaling, elementwise,
+                    prefetch):
+    refs = list(refs)
+    o_ref = refs.pop()
+    ng, ns = g_spec.num_operands, (s_spec.num_operands if s_spec is not None else 0)
+    gate, up = refs[:ng], refs[ng:2 * ng]
+    sgate, sup = refs[2 * ng:2 * ng + ns], refs[2 * ng + ns:2 * ng + 2 * ns]
+
+    def store(p, n0, values):
+        o_ref[p, pl.ds(n0, bn)] = values
+
+    gate_up_tile(pl.program_id(0), pl.program_id(1), routing_from_refs(route_a, route_b, k, norm, scaling),
+                 wt.XSource(x_ref, g_spec.kind), g_spec, gate, up, s_spec, sgate, sup, store, m=m, k=k, bn=bn, bk=bk,
+                 elementwise=elementwise, prefetch=prefetch)
 
 
 def _route_operands(logits, moe, routing):
@@ -136,35 +164,30 @@ def expert_gate_up(b: jax.Array, logits: jax.Array, moe, cfg: FlintConfig, *, in
         operands += [*sg_ops, *su_ops]
     bn, bk, warps, stages, ew, pf = _pick(g_spec.n, hidden, g_spec.kind, block or GATE_UP_BLOCK)
     pairs = m * (k + int(has_shared))
-    kernel = functools.partial(_gate_up_kernel, m=m, k=k, g_spec=g_spec, s_spec=s_spec, has_shared=has_shared,
-                               bn=bn, bk=bk, norm=bool(cfg.norm_topk_prob), scaling=float(cfg.routed_scaling_factor),
+    kernel = functools.partial(_gate_up_kernel, m=m, k=k, g_spec=g_spec, s_spec=s_spec, bn=bn, bk=bk,
+                               norm=bool(cfg.norm_topk_prob), scaling=float(cfg.routed_scaling_factor),
                                elementwise=ew, prefetch=pf)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((pairs, g_spec.n), BF16),
         grid=(pairs, g_spec.n // bn),
         in_specs=[pl.no_block_spec] * len(operands),
-        out_specs=pl.BlockSpec((1, bn), lambda p, j: (p, j)),
+        out_specs=pl.no_block_spec,
         compiler_params=plt.CompilerParams(num_warps=warps, num_stages=stages),
         interpret=interpret,
         name=f"moe_gate_up_{g_spec.kind}",
     )(*operands)
 
 
-def _down_kernel(route_a, route_b, x_ref, *refs, m, k, d_spec, s_spec, has_shared, bn, bk, norm, scaling):
-    refs = list(refs)
-    o_ref = refs.pop()
-    h_ref = refs.pop()
-    nd = d_spec.num_operands
-    down, sdown = refs[:nd], refs[nd:]
-    t = pl.program_id(0)
-    n0 = pl.multiple_of(pl.program_id(1) * bn, bn)
-    ids, ws = _routing((route_a, route_b), t, k, norm, scaling)
-    xs = wt.XSource(x_ref, d_spec.kind)
+def down_tile(t, blk, token, xs, d_spec, down, s_spec, sdown, res_ref, store, *, m, k, bn, bk):
+    """Rows [blk*bn, (blk+1)*bn) of token t's `residual + bf16(shared + sum_s w_s * expert_s)` from the activation
+    rows of gate_up_tile (xs), combined in FP32 and rounded once. store(t, n0, values bf16 [bn])."""
+    n0 = pl.multiple_of(blk * bn, bn)
+    ids, ws = token(t)
     rows = [t * k + s for s in range(k)]
     weights = [(d_spec, down)] * k
     experts = list(ids)
-    if has_shared:
+    if s_spec is not None:
         rows.append(m * k + t)
         weights.append((s_spec, sdown))
         experts.append(0)
@@ -174,9 +197,23 @@ def _down_kernel(route_a, route_b, x_ref, *refs, m, k, d_spec, s_spec, has_share
     for s in range(k):
         out_s = wt.apply_global_scale(accs[s], wt.global_scale(d_spec, down, ids[s])).astype(BF16)
         y = y + ws[s] * out_s.astype(F32)
-    if has_shared:
+    if s_spec is not None:
         y = y + wt.apply_global_scale(accs[k], wt.global_scale(s_spec, sdown, 0)).astype(BF16).astype(F32)
-    o_ref[0, :] = (h_ref[0, :].astype(F32) + y.astype(BF16).astype(F32)).astype(BF16)
+    store(t, n0, (res_ref[t, pl.ds(n0, bn)].astype(F32) + y.astype(BF16).astype(F32)).astype(BF16))
+
+
+def _down_kernel(route_a, route_b, x_ref, *refs, m, k, d_spec, s_spec, bn, bk, norm, scaling):
+    refs = list(refs)
+    o_ref = refs.pop()
+    h_ref = refs.pop()
+    nd = d_spec.num_operands
+    down, sdown = refs[:nd], refs[nd:]
+
+    def store(t, n0, values):
+        o_ref[t, pl.ds(n0, bn)] = values
+
+    down_tile(pl.program_id(0), pl.program_id(1), routing_from_refs(route_a, route_b, k, norm, scaling),
+              wt.XSource(x_ref, d_spec.kind), d_spec, down, s_spec, sdown, h_ref, store, m=m, k=k, bn=bn, bk=bk)
 
 
 def expert_down(act: jax.Array, logits: jax.Array, moe, cfg: FlintConfig, residual: jax.Array, *,
@@ -194,16 +231,16 @@ def expert_down(act: jax.Array, logits: jax.Array, moe, cfg: FlintConfig, residu
             raise NotImplementedError("the shared expert must have the routed experts' kind and intermediate size")
         operands += list(sd_ops)
     bn, bk, warps, stages, _, _ = _pick(hidden, d_spec.k, d_spec.kind, block or DOWN_BLOCK)
-    in_specs = [pl.no_block_spec] * len(operands) + [pl.BlockSpec((1, bn), lambda t, j: (t, j))]
     operands.append(residual.astype(BF16))
-    kernel = functools.partial(_down_kernel, m=m, k=k, d_spec=d_spec, s_spec=s_spec, has_shared=has_shared,
-                               bn=bn, bk=bk, norm=bool(cfg.norm_topk_prob), scaling=float(cfg.routed_scaling_factor))
+    in_specs = [pl.no_block_spec] * len(operands)
+    kernel = functools.partial(_down_kernel, m=m, k=k, d_spec=d_spec, s_spec=s_spec, bn=bn, bk=bk,
+                               norm=bool(cfg.norm_topk_prob), scaling=float(cfg.routed_scaling_factor))
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((m, hidden), BF16),
         grid=(m, hidden // bn),
         in_specs=in_specs,
-        out_specs=pl.BlockSpec((1, bn), lambda t, j: (t, j)),
+        out_specs=pl.no_block_spec,
         compiler_params=plt.CompilerParams(num_warps=warps, num_stages=stages),
         interpret=interpret,
         name=f"moe_down_{d_spec.kind}",
@@ -211,11 +248,16 @@ def expert_down(act: jax.Array, logits: jax.Array, moe, cfg: FlintConfig, residu
 
 
 def moe_block(h: jax.Array, layer, cfg: FlintConfig, *, interpret: bool = False, blocks: dict | None = None):
-    """`layers.mlp_block(h, layer, cfg)` for an MoE layer in three kernels. h [..., H] bf16 with at most 8 rows.
-    `blocks` may override "router", "gate_up", "down" block tuples (benchmark sweeps)."""
+    """`layers.mlp_block(h, layer, cfg)` for an MoE layer: one persistent kernel for at most
+    moe_persistent.PERSISTENT_MAX_ROWS rows (PERSISTENT), else three kernels. h [..., H] bf16 with at most 8 rows.
+    `blocks` may override the three kernels' "router", "gate_up", "down" block tuples (benchmark sweeps; they
+    select the three-kernel path)."""
     blocks = blocks or {}
     lead = h.shape[:-1]
     flat = h.reshape(-1, h.shape[-1])
+    from flint_jax.pallas_kernels import moe_persistent  # it builds on this module's tile functions
+    if PERSISTENT and not blocks and flat.shape[0] <= moe_persistent.PERSISTENT_MAX_ROWS:
+        return moe_persistent.moe_block_persistent(h, layer, cfg, interpret=interpret)
     moe = layer.mlp
     block = blocks.get("router", ROUTER_BLOCK)
     if ROUTE_IN_ROUTER:

@@ -76,12 +76,9 @@ def select_experts_rows(logits: jax.Array, bias: jax.Array, k: int, kp: int, nor
     return id_out, w_out
 
 
-def _logits_kernel(h_ref, nw_ref, r_ref, *refs, mp, be, bk, eps, has_norm, select, compiled):
-    if select is not None:
-        bias_ref, _, logits_ref, b_ref, ids_ref, w_ref, cnt_ref = refs
-    else:
-        logits_ref, b_ref = refs
-    j = pl.program_id(0)
+def logits_tile(j, h_ref, nw_ref, r_ref, logits_ref, store_b, *, mp, be, bk, eps, has_norm):
+    """Logits of experts [j*be, (j+1)*be) for the mp rows of h (RMS-normed on the fly), and, in tile 0, the normed
+    rows b through store_b(row, k0, values) (the persistent MoE kernel stores them in its own layout)."""
     e0 = pl.multiple_of(j * be, be)
     hidden = h_ref.shape[-1]
     xs = wt.XSource(h_ref, "bf16", nw_ref if has_norm else None, eps)
@@ -90,6 +87,29 @@ def _logits_kernel(h_ref, nw_ref, r_ref, *refs, mp, be, bk, eps, has_norm, selec
     accs = wt.stream_rows([xs] * mp, list(range(mp)), [(spec, (r_ref,))], [0], e0, be, bk, inv)
     for r in range(mp):
         logits_ref[r, pl.ds(e0, be)] = accs[r]
+
+    @pl.when(j == 0)
+    def _():
+        bkn = xs.norm_tile(hidden)
+
+        def body(t, c):
+            for r in range(mp):
+                store_b(r, wt.k_start(t, bkn), xs.tile(r, t, bkn, 0, None if inv is None else inv[r]).astype(BF16))
+            return c
+        wt.k_loop(hidden // bkn, body, 0)
+
+
+def _logits_kernel(h_ref, nw_ref, r_ref, *refs, mp, be, bk, eps, has_norm, select, compiled):
+    if select is not None:
+        bias_ref, _, logits_ref, b_ref, ids_ref, w_ref, cnt_ref = refs
+    else:
+        logits_ref, b_ref = refs
+
+    def store_b(r, k0, values):
+        b_ref[r, pl.ds(k0, values.shape[0])] = values
+
+    logits_tile(pl.program_id(0), h_ref, nw_ref, r_ref, logits_ref, store_b, mp=mp, be=be, bk=bk, eps=eps,
+                has_norm=has_norm)
 
     if select is not None:
         k, kp, norm, scaling = select
@@ -104,17 +124,6 @@ def _logits_kernel(h_ref, nw_ref, r_ref, *refs, mp, be, bk, eps, has_norm, selec
             ids, ws = select_experts_rows(logits, bias_ref[...], k, kp, norm, scaling)
             ids_ref[...] = ids
             w_ref[...] = ws
-
-    @pl.when(j == 0)
-    def _():
-        bkn = xs.norm_tile(hidden)
-
-        def body(t, c):
-            for r in range(mp):
-                b_ref[r, pl.ds(wt.k_start(t, bkn), bkn)] = xs.tile(r, t, bkn, 0, None if inv is None else inv[r]
-                                                               ).astype(BF16)
-            return c
-        wt.k_loop(hidden // bkn, body, 0)
 
 
 def router_logits(h: jax.Array, router: jax.Array, *, norm_weight: jax.Array | None = None, eps: float = 1e-5,

@@ -3,7 +3,7 @@
 #   bash scripts/gpu_session.sh TOTAL_SECONDS [PART ...]
 # Parts (default: tests profile decode prefill weights):
 #   tests     the kernel tests compiled on the GPU (FLINT_PALLAS_COMPILED=1): attention, GEMV, MoE, prefill
-#   tests_moe  only the compiled router / MoE-block tests (top-k in the router's last program)
+#   tests_moe  only the compiled router / MoE-block tests (top-k in the router's last program, persistent kernel)
 #   tests_fold  only the compiled tests of the split-partials fold (in-kernel combine, split rings)
 #   profile   device trace of the NVFP4 Pallas decode step at 100K, once per kernel-knob variant ($PROFILE_VARIANTS):
 #             per-kernel time inside the whole step (scripts/profile_decode.py)
@@ -55,7 +55,7 @@ for p in $parts; do
     tests) part tests 100 env FLINT_PALLAS_COMPILED=1 python3 -m pytest -q -p no:cacheprovider \
              tests/test_kernels_attention.py tests/test_kernels_gemv.py tests/test_kernels_moe.py ;;
     tests_moe) part tests_moe 60 env FLINT_PALLAS_COMPILED=1 python3 -m pytest -q -p no:cacheprovider \
-             tests/test_kernels_moe.py -k "route or moe_block" ;;
+             tests/test_kernels_moe.py -k "route or moe_block or persistent" ;;
     tests_fold) part tests_fold 50 env FLINT_PALLAS_COMPILED=1 python3 -m pytest -q -p no:cacheprovider \
              tests/test_kernels_attention.py -k "combine or split_ring or ring_split" ;;
     profile) part profile ${PROFILE_LIMIT:-250} python3 scripts/profile_decode.py --out "$work/profile" --weights nvfp4 \

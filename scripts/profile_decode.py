@@ -38,6 +38,7 @@ from flint_jax.params import init_params  # noqa: E402
 def _variants():
     from flint_jax.pallas_kernels import decode_attention as DA
     from flint_jax.pallas_kernels import gemv as G
+    from flint_jax.pallas_kernels import grid_sync as GS
     from flint_jax.pallas_kernels import moe_experts as ME
     return {
         "base": [],
@@ -53,6 +54,8 @@ def _variants():
         "combine_kernel": [(DA, "COMBINE_IN_KERNEL", False)],
         "topk_per_program": [(ME, "ROUTE_IN_ROUTER", False)],  # the default since run G
         "topk_in_router": [(ME, "ROUTE_IN_ROUTER", True)],
+        "moe_three_kernels": [(ME, "PERSISTENT", False)],  # router, gate/up, down as three launches
+        "persistent_1_per_sm": [(GS, "PROGRAMS_PER_SM", 1)],
     }
 
 

@@ -17,6 +17,8 @@ import pytest
 
 from flint_jax import FlintConfig, layers, nvfp4, params
 from flint_jax.pallas_kernels import moe_experts as X
+from flint_jax.pallas_kernels import grid_sync as GS
+from flint_jax.pallas_kernels import moe_persistent as XP
 from flint_jax.pallas_kernels import router as R
 from numerics import assert_bf16_close, assert_residual_close
 from kernel_mode import INTERPRET
@@ -135,6 +137,7 @@ def test_moe_block_routing_paths_agree(m, monkeypatch):
     """Top-k in the router's last program (ROUTE_IN_ROUTER) or in every expert program: the same output bits."""
     layer = layer_of("nvfp4")
     h = hidden(200 + m, m)
+    monkeypatch.setattr(X, "PERSISTENT", False)
     outs = []
     for flag in (True, False):
         monkeypatch.setattr(X, "ROUTE_IN_ROUTER", flag)
@@ -166,19 +169,56 @@ def test_dense_mlp_block_matches_mlp_block(kind, m):
 @pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
 def test_blocks_lower_to_three_and_two_triton_kernels(kind, monkeypatch):
     """Lowered for the GPU (Pallas -> Triton IR, no GPU needed; see test_kernels_gemv.lower_for_gpu): the MoE block is
-    exactly 3 Triton kernels and nothing else heavy, the dense block 2, the standalone router 2. This is the stage
-    where the BF16 expert kernels once failed on the GPU (a one-step K loop) while interpret mode passed."""
+    exactly 1 Triton kernel at 1 and 2 tokens (persistent) and 3 at 8, the dense block 2, the standalone router 2.
+    This is the stage where the BF16 expert kernels once failed on the GPU (a one-step K loop) while interpret mode
+    passed."""
     from test_kernels_gemv import TRITON_CALL, lower_for_gpu
-    for m in (1, 8):
+    for m, kernels in ((1, 1), (2, 1), (8, 3)):
         h = hidden(m, m)
         moe = lower_for_gpu(monkeypatch, lambda h, l: X.moe_block(h, l, CFG), h, layer_of(kind))
-        assert moe.count(TRITON_CALL) == 3
+        assert moe.count(TRITON_CALL) == kernels
         dense = lower_for_gpu(monkeypatch, lambda h, l: X.mlp_block(h, l, CFG), h, layer_of(kind, moe=False))
         assert dense.count(TRITON_CALL) == 2
     layer = layer_of(kind)
     routed = lower_for_gpu(monkeypatch, lambda h, l: R.route(h, l.mlp.router, l.mlp.router_bias, CFG,
                                                              norm_weight=l.mlp_norm), hidden(3, 3), layer)
     assert routed.count(TRITON_CALL) == 2
+
+
+@pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("programs", [3, 64], ids=["tiles_in_series", "one_tile_each"])
+def test_persistent_block_equals_three_kernels(kind, m, programs, monkeypatch):
+    """The persistent kernel (moe_persistent.py) gives the three-kernel block's bits, whatever the grid: 3 programs
+    walk many tiles each, 64 take at most one tile of a phase. Compiled, no barrier gave up."""
+    layer = layer_of(kind)
+    h = hidden(300 + m, m)
+    out, sync = jax.jit(lambda h, l: XP.moe_block_persistent(h, l, CFG, interpret=INTERPRET, programs=programs,
+                                                              with_sync=True))(h, layer)
+    monkeypatch.setattr(X, "PERSISTENT", False)
+    three = run_block(kernel_block, h, layer, CFG)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(three))
+    assert_residual_close(out, run_block(layers.mlp_block, h, layer, CFG), h)
+    if not INTERPRET:
+        assert int(sync[GS.TIMEOUT_SLOT]) == 0
+        assert list(np.asarray(sync[:2])) == [programs, programs]  # every program passed both barriers
+
+
+@pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
+def test_persistent_block_without_shared_expert(kind):
+    cfg = CFG.replace(n_shared_experts=0, routed_scaling_factor=2.5, norm_topk_prob=False)
+    moe = layer_of(kind).mlp
+    layer = params.Layer(None, None, layer_of(kind).mlp_norm,
+                         params.MoE(moe.router, moe.router_bias, moe.gate, moe.up, moe.down, None, None, None))
+    h = hidden(7, 2).reshape(2, 1, -1)
+    out = jax.jit(lambda h, l: XP.moe_block_persistent(h, l, cfg, interpret=INTERPRET, programs=5))(h, layer)
+    assert out.shape == h.shape
+    assert_residual_close(out, run_block(layers.mlp_block, h, layer, cfg), h)
+
+
+def test_persistent_block_rejects_more_rows():
+    with pytest.raises(ValueError, match="1..2 rows, got 3"):
+        XP.moe_block_persistent(hidden(1, 3), layer_of("bf16"), CFG, interpret=True)
 
 
 def test_one_compiled_kernel_serves_every_routing():
