@@ -7,8 +7,8 @@ grid barrier between phases where the next phase reads what other programs wrote
 
 The barrier is a counter per barrier in a zeroed int32 buffer (`sync`, aliased in and out so that every call gets a
 fresh one): each program arrives with one acq_rel atomic add after a CTA barrier (so all its threads' stores are
-released), then polls the counter with atomic adds of 0 (they go to L2, never to a stale L1 line) until every
-program has arrived. This needs every program of the grid resident at once: callers launch at most
+released), then polls the counter (POLL: volatile loads or atomic adds of 0; both go to L2, never to a stale L1
+line) until every program has arrived. This needs every program of the grid resident at once: callers launch at most
 `resident_programs()` programs with modest registers and shared memory. If the count is not reached within
 SPIN_LIMIT polls (a program that never became resident), the program gives up, adds 1 to `sync[TIMEOUT_SLOT]` and
 goes on: the result is then wrong and says so, instead of hanging the GPU. Tests check that slot is 0.
@@ -27,6 +27,10 @@ from jax.experimental.pallas import triton as plt
 SPIN_LIMIT = 1 << 17  # polls of about a microsecond each: ~0.1 s before a barrier gives up
 TIMEOUT_SLOT = 3  # sync[TIMEOUT_SLOT] counts barriers given up; slots 0..TIMEOUT_SLOT-1 are barrier counters
 SYNC_SLOTS = 4
+# How waiting programs poll the counter: "load" = volatile loads (L2, no read-modify-write: hundreds of programs
+# polling one address do not queue behind each other), then one acq_rel atomic for the acquire ordering;
+# "atomic" = atomic adds of 0 (each poll is an acquire).
+POLL = "load"
 PROGRAMS_PER_SM = 2  # 4 warps each: two always fit one SM (registers <= 255 per thread, little shared memory)
 H200_SMS = 132
 
@@ -54,9 +58,13 @@ def grid_barrier(sync_ref, slot: int, programs: int) -> None:
 
     def poll(c):
         _, polls = c
-        return plt.atomic_add(sync_ref, where, zero), polls + 1
+        if POLL == "atomic":
+            return plt.atomic_add(sync_ref, where, zero), polls + 1
+        return jnp.sum(plt.load(sync_ref.at[pl.ds(slot, 1)], volatile=True)), polls + 1
 
     count, _ = jax.lax.while_loop(waiting, poll, (arrived, zero))
+    if POLL != "atomic":
+        count = jnp.minimum(count, plt.atomic_add(sync_ref, where, zero))  # acquire: later loads see the phase
 
     @pl.when(count < programs)
     def _():

@@ -40,6 +40,7 @@ def _variants():
     from flint_jax.pallas_kernels import gemv as G
     from flint_jax.pallas_kernels import grid_sync as GS
     from flint_jax.pallas_kernels import moe_experts as ME
+    from flint_jax.pallas_kernels import moe_persistent as MP
     return {
         "base": [],
         "prefetch": [(G, "TABLE_PREFETCH", True), (ME, "GATE_UP_BLOCK", (8, 512, 4, 3, False, True))],
@@ -56,6 +57,8 @@ def _variants():
         "topk_in_router": [(ME, "ROUTE_IN_ROUTER", True)],
         "moe_three_kernels": [(ME, "PERSISTENT", False)],  # router, gate/up, down as three launches
         "persistent_1_per_sm": [(GS, "PROGRAMS_PER_SM", 1)],
+        "poll_atomic": [(GS, "POLL", "atomic")],
+        "persistent_no_barrier": [(MP, "BARRIERS", False)],  # diagnostic: wrong results, the barriers' cost
     }
 
 
