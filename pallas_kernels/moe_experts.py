@@ -1,8 +1,7 @@
 """Routed + shared experts of a Flint MoE layer for decode (M <= 8 tokens), and the MLP half of a layer.
 
-    moe_block(h, layer, cfg)        = layers.mlp_block(h, layer, cfg) for an MoE layer; at most 2 tokens: the
-                                      three phases below in one persistent kernel (moe_persistent.py), else in
-                                      three kernels:
+    moe_block(h, layer, cfg)        = layers.mlp_block(h, layer, cfg) for an MoE layer in three kernels (or, with
+                                      PERSISTENT, at most 2 tokens in one persistent kernel: moe_persistent.py):
         1. router.router_logits     b = rmsnorm(h), FP32 logits = b @ router.T                      [M, E]
                                     and (ROUTE_IN_ROUTER, off by default) the top-k ids and weights, by its
                                     last program
@@ -47,9 +46,12 @@ ROUTER_BLOCK = (2, 2048, 8, 1)  # 8 warps: 2.43 vs 2.53 us on the H200 (tune_wei
 # kernels got faster (gate/up 8.5 -> 7.1 us, down 7.0 -> 5.4) but the router's serial top-k tail (2.8 -> 5.8 us)
 # and the counter's zeroing copy (one more launch, 0.9 us) ate it: 2.962 vs 2.916 ms per step at 100K.
 ROUTE_IN_ROUTER = False
-# Blocks of at most moe_persistent.PERSISTENT_MAX_ROWS tokens run as one persistent kernel (router, gate/up and down
-# phases behind grid barriers, moe_persistent.py) instead of the three kernels below.
-PERSISTENT = True
+# Blocks of at most moe_persistent.PERSISTENT_MAX_ROWS tokens as one persistent kernel (router, gate/up and down
+# phases behind grid barriers, moe_persistent.py) instead of the three kernels below. Off: measured in the whole
+# step on the H200 (NVFP4, 100K, B = 1) it took 28.2 us per layer (29.2 with load polling) against 18.4 us for the
+# three kernels, and 17.6 us with its barriers removed (wrong results, timing only): the three phases' own serial
+# latency, not the launches, is what the block costs, and each barrier adds ~5 us (docs/BENCHMARKS.md, run H).
+PERSISTENT = False
 
 
 def _pick(e_or_n: int, k: int, kind: str, block) -> tuple[int, int, int, int, bool, bool]:
@@ -248,8 +250,8 @@ def expert_down(act: jax.Array, logits: jax.Array, moe, cfg: FlintConfig, residu
 
 
 def moe_block(h: jax.Array, layer, cfg: FlintConfig, *, interpret: bool = False, blocks: dict | None = None):
-    """`layers.mlp_block(h, layer, cfg)` for an MoE layer: one persistent kernel for at most
-    moe_persistent.PERSISTENT_MAX_ROWS rows (PERSISTENT), else three kernels. h [..., H] bf16 with at most 8 rows.
+    """`layers.mlp_block(h, layer, cfg)` for an MoE layer: three kernels, or one persistent kernel for at most
+    moe_persistent.PERSISTENT_MAX_ROWS rows when PERSISTENT is set. h [..., H] bf16 with at most 8 rows.
     `blocks` may override the three kernels' "router", "gate_up", "down" block tuples (benchmark sweeps; they
     select the three-kernel path)."""
     blocks = blocks or {}

@@ -55,10 +55,11 @@ def _variants():
         "combine_kernel": [(DA, "COMBINE_IN_KERNEL", False)],
         "topk_per_program": [(ME, "ROUTE_IN_ROUTER", False)],  # the default since run G
         "topk_in_router": [(ME, "ROUTE_IN_ROUTER", True)],
-        "moe_three_kernels": [(ME, "PERSISTENT", False)],  # router, gate/up, down as three launches
-        "persistent_1_per_sm": [(GS, "PROGRAMS_PER_SM", 1)],
-        "poll_atomic": [(GS, "POLL", "atomic")],
-        "persistent_no_barrier": [(MP, "BARRIERS", False)],  # diagnostic: wrong results, the barriers' cost
+        "moe_persistent": [(ME, "PERSISTENT", True)],  # router, gate/up, down in one launch (run H: slower)
+        "persistent_1_per_sm": [(ME, "PERSISTENT", True), (GS, "PROGRAMS_PER_SM", 1)],
+        "poll_atomic": [(ME, "PERSISTENT", True), (GS, "POLL", "atomic")],
+        # diagnostic: wrong results; what the barriers cost
+        "persistent_no_barrier": [(ME, "PERSISTENT", True), (MP, "BARRIERS", False)],
     }
 
 

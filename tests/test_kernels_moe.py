@@ -137,7 +137,6 @@ def test_moe_block_routing_paths_agree(m, monkeypatch):
     """Top-k in the router's last program (ROUTE_IN_ROUTER) or in every expert program: the same output bits."""
     layer = layer_of("nvfp4")
     h = hidden(200 + m, m)
-    monkeypatch.setattr(X, "PERSISTENT", False)
     outs = []
     for flag in (True, False):
         monkeypatch.setattr(X, "ROUTE_IN_ROUTER", flag)
@@ -169,11 +168,12 @@ def test_dense_mlp_block_matches_mlp_block(kind, m):
 @pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
 def test_blocks_lower_to_three_and_two_triton_kernels(kind, monkeypatch):
     """Lowered for the GPU (Pallas -> Triton IR, no GPU needed; see test_kernels_gemv.lower_for_gpu): the MoE block is
-    exactly 1 Triton kernel at 1 and 2 tokens (persistent) and 3 at 8, the dense block 2, the standalone router 2.
+    exactly 3 Triton kernels (1 with PERSISTENT at 1 and 2 tokens), the dense block 2, the standalone router 2.
     This is the stage where the BF16 expert kernels once failed on the GPU (a one-step K loop) while interpret mode
     passed."""
     from test_kernels_gemv import TRITON_CALL, lower_for_gpu
-    for m, kernels in ((1, 1), (2, 1), (8, 3)):
+    for persistent, m, kernels in ((False, 1, 3), (False, 8, 3), (True, 1, 1), (True, 2, 1), (True, 8, 3)):
+        monkeypatch.setattr(X, "PERSISTENT", persistent)
         h = hidden(m, m)
         moe = lower_for_gpu(monkeypatch, lambda h, l: X.moe_block(h, l, CFG), h, layer_of(kind))
         assert moe.count(TRITON_CALL) == kernels
@@ -188,14 +188,13 @@ def test_blocks_lower_to_three_and_two_triton_kernels(kind, monkeypatch):
 @pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
 @pytest.mark.parametrize("m", [1, 2])
 @pytest.mark.parametrize("programs", [3, 64], ids=["tiles_in_series", "one_tile_each"])
-def test_persistent_block_equals_three_kernels(kind, m, programs, monkeypatch):
+def test_persistent_block_equals_three_kernels(kind, m, programs):
     """The persistent kernel (moe_persistent.py) gives the three-kernel block's bits, whatever the grid: 3 programs
     walk many tiles each, 64 take at most one tile of a phase. Compiled, no barrier gave up."""
     layer = layer_of(kind)
     h = hidden(300 + m, m)
     out, sync = jax.jit(lambda h, l: XP.moe_block_persistent(h, l, CFG, interpret=INTERPRET, programs=programs,
                                                               with_sync=True))(h, layer)
-    monkeypatch.setattr(X, "PERSISTENT", False)
     three = run_block(kernel_block, h, layer, CFG)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(three))
     assert_residual_close(out, run_block(layers.mlp_block, h, layer, CFG), h)
@@ -219,6 +218,19 @@ def test_persistent_block_without_shared_expert(kind):
 def test_persistent_block_rejects_more_rows():
     with pytest.raises(ValueError, match="1..2 rows, got 3"):
         XP.moe_block_persistent(hidden(1, 3), layer_of("bf16"), CFG, interpret=True)
+
+
+def test_moe_block_takes_the_persistent_path_when_set(monkeypatch):
+    layer = layer_of("nvfp4")
+    h = hidden(11, 1)
+    calls = []
+    real = XP.moe_block_persistent
+    monkeypatch.setattr(XP, "moe_block_persistent", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(X, "PERSISTENT", True)
+    out = run_block(kernel_block, h, layer, CFG)
+    assert calls == [1]
+    monkeypatch.setattr(X, "PERSISTENT", False)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(run_block(kernel_block, h, layer, CFG)))
 
 
 def test_one_compiled_kernel_serves_every_routing():
