@@ -13,6 +13,9 @@ line) until every program has arrived. This needs every program of the grid resi
 SPIN_LIMIT polls (a program that never became resident), the program gives up, adds 1 to `sync[TIMEOUT_SLOT]` and
 goes on: the result is then wrong and says so, instead of hanging the GPU. Tests check that slot is 0.
 
+Measured on the H200 (run H, docs/BENCHMARKS.md): with 264 programs a barrier costs ~5 us, more than the kernel
+boundary it replaces inside XLA's command buffer.
+
 Interpret mode runs the programs of a grid one after another, so a barrier there would wait forever: callers run
 each phase as its own pallas_call in interpret mode (same tile code), and the barrier only on the GPU.
 """

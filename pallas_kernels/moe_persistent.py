@@ -9,9 +9,10 @@
         -- grid barrier --
         phase 2  moe_experts.down_tile     the experts' down rows, combined with the routing weights, + residual
 
-The three-kernel block spent 18.3 us per layer on the H200 (run G) against a 4.5 us weight-bytes roofline: most of
-it is the ramp-up and drain of three launches. Here the grid is `grid_sync.resident_programs()` programs that each
-take a round-robin share of every phase's tiles; the phases hand over through small buffers (logits 1 KB, b 4 KB,
+Built to test whether the three-kernel block's 18.3 us per layer (run G, against a 4.5 us weight-bytes roofline) was
+the cost of its launches. It was not: in the step on the H200 this kernel took 28-29 us per layer, and 17.6 us with
+its barriers removed (run H, docs/BENCHMARKS.md), so it is off by default (`moe_experts.PERSISTENT`). The grid is
+`grid_sync.resident_programs()` programs that each take a round-robin share of every phase's tiles; the phases hand over through small buffers (logits 1 KB, b 4 KB,
 activations 7 KB per token) and the grid barriers of grid_sync.py. Used for M <= PERSISTENT_MAX_ROWS tokens: more
 tokens give each program many tiles in series, where separate launches keep more loads in flight.
 
