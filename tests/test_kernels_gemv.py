@@ -107,6 +107,23 @@ def test_gemv_logits_fp32(kind, m):
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=0, atol=1e-5 * float(jnp.max(jnp.abs(ref))))
 
 
+def test_block_table_for_flint_shapes(monkeypatch):
+    """The measured table (docs/BENCHMARKS.md, runs D/E/J) at Flint's NVFP4 batch-1 shapes, and the LM head's rows
+    running correctly (LARGE_N and the SM count lowered so that a small weight takes them)."""
+    spec = lambda n, k: wt.WeightSpec("nvfp4", 1, n, k)  # noqa: E731
+    assert G.pick_blocks(spec(2048, 4096), 1)[:3] == (8, 4096, 8)  # O projection
+    assert G.pick_blocks(spec(151552, 2048), 1)[:3] == (16, 2048, 4)  # LM head
+    assert G.pick_blocks(spec(151552, 2048), 8)[:3] == (16, 512, 4)  # LM head, 8 rows: the generic table
+    monkeypatch.setattr(G, "LARGE_N", 256)
+    monkeypatch.setattr(G, "NUM_SMS", 4)
+    assert G.pick_blocks(spec(384, 256), 1)[:2] == (16, 256)
+    x, nw, _ = inputs(31, 1, 384, 256)
+    w = make_weight(jax.random.PRNGKey(6), 384, 256, "nvfp4")
+    out = G.gemv_logits(x, w, norm_weight=nw, interpret=INTERPRET)
+    ref = layers.logits_from_hidden(x, nw, w, 1e-5)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=0, atol=1e-5 * float(jnp.max(jnp.abs(ref))))
+
+
 @pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
 @pytest.mark.parametrize("m", [1, 3])
 def test_gemv_swiglu(kind, m):
