@@ -43,11 +43,19 @@ class Blocks(NamedTuple):
 TABLE_BK = 512  # K values per loop step
 TABLE_PREFETCH = False  # register double buffer of the next K step (weight_tiles.stream_rows)
 LARGE_N = 65536  # outputs from which an NVFP4 weight streams with the LM head's blocks
+# Rows from which the tensor-core path (Blocks.dot) streams the weight, with DOT_BLOCK; None: never (the FMA path
+# has the measured tables; the dot path at M = 8 inside the step is the profile variant "gemv_dot4").
+TABLE_DOT_MIN_ROWS = None
+DOT_BLOCK = (32, 512, 4, 3)  # (bn, bk, warps, stages)
 
 
 def pick_blocks(spec: wt.WeightSpec, m: int, n_weights: int = 1) -> Blocks:
     """Block sizes from a small table (tuned on the H200, docs/KERNELS.md), then shrunk so that N/BN >= 2 x SMs."""
     bk = TABLE_BK
+    if TABLE_DOT_MIN_ROWS is not None and m >= TABLE_DOT_MIN_ROWS and n_weights == 1:
+        bn, bk, warps, stages = DOT_BLOCK
+        bn = max(16, min(bn, wt.largest_pow2_divisor(spec.n, bn)))
+        return Blocks(bn, wt.k_tile(spec, bk), warps, stages, dot=True)
     if spec.kind == "nvfp4" and m <= 2:
         # Measured on the H200 (scripts/tune_weight_kernels.py, docs/BENCHMARKS.md): thin blocks with long K tiles;
         # 8 warps and the whole K in one step for K >= 4096 (O projection 7.5 -> 4.5 us), two 1024-value steps for

@@ -48,12 +48,16 @@ GROUP = nvfp4.BLOCK  # values per E4M3 scale
 
 @dataclasses.dataclass(frozen=True)
 class Block:
-    """Tile sizes: bm rows, bn output columns, bk K values per step (NVFP4: per half, i.e. bytes of codes)."""
+    """Tile sizes: bm rows, bn output columns, bk K values per step (NVFP4: per half, i.e. bytes of codes).
+    weights_lhs: compute the transposed tile W x^T, the decoded weight tile as the dot's left operand (which the
+    tensor-core instruction can read from registers, where the right one goes through shared memory), then
+    transpose the accumulator once for the store."""
     bm: int
     bn: int
     bk: int
     num_warps: int
     num_stages: int
+    weights_lhs: bool = False
 
 
 # Starting points for the H200 (Hopper wgmma through Triton; scripts/bench_prefill.py sweeps alternatives). 128-row
@@ -198,7 +202,11 @@ def _kernel(e_ref, r0_ref, lo_ref, hi_ref, x_ref, *refs, kind, n_w, mode, blk, k
         n0 = pl.multiple_of(j * bn, bn)
         rows = pl.ds(row0, bm)
         cols = pl.ds(n0, bn)
-        init = tuple(jnp.zeros((bm, bn), F32) for _ in range(n_w))
+        lhs = blk.weights_lhs
+        init = tuple(jnp.zeros((bn, bm) if lhs else (bm, bn), F32) for _ in range(n_w))
+
+        def prod(xt, wt_):  # the tile's product, in the accumulator's orientation
+            return _dot_t(wt_, xt) if lhs else _dot_t(xt, wt_)
 
         if kind == "nvfp4":
             half = k // 2
@@ -214,19 +222,21 @@ def _kernel(e_ref, r0_ref, lo_ref, hi_ref, x_ref, *refs, kind, n_w, mode, blk, k
                     cb = codes[e, cols, pl.ds(c0, bk)]
                     w_lo = _dequant(cb, scales[e, cols, pl.ds(g0, bk // GROUP)], high=False)
                     w_hi = _dequant(cb, scales[e, cols, pl.ds(hg + g0, bk // GROUP)], high=True)
-                    out.append(acc + _dot_t(x_lo, w_lo) + _dot_t(x_hi, w_hi))
+                    out.append(acc + prod(x_lo, w_lo) + prod(x_hi, w_hi))
                 return tuple(out)
             steps = half // bk
         else:
             def body(t, accs):
                 k0 = pl.multiple_of(t * bk, bk)
                 xt = x_ref[rows, pl.ds(k0, bk)]
-                return tuple(acc + _dot_t(xt, w[e, cols, pl.ds(k0, bk)]) for (w,), acc in zip(ws, accs))
+                return tuple(acc + prod(xt, w[e, cols, pl.ds(k0, bk)]) for (w,), acc in zip(ws, accs))
             steps = k // bk
 
         accs = jax.lax.fori_loop(0, steps, body, init)
         ys = []
         for wop, acc in zip(ws, accs):
+            if lhs:
+                acc = acc.T
             if kind == "nvfp4":
                 acc = acc * wop[2][e]
             ys.append(acc.astype(BF16))

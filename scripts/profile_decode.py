@@ -55,6 +55,8 @@ def _variants():
         "combine_kernel": [(DA, "COMBINE_IN_KERNEL", False)],
         "topk_per_program": [(ME, "ROUTE_IN_ROUTER", False)],  # the default since run G
         "topk_in_router": [(ME, "ROUTE_IN_ROUTER", True)],
+        "gemv_dot4": [(G, "TABLE_DOT_MIN_ROWS", 4)],  # tensor-core blocks for >= 4 rows (O projection, dense)
+        "gemv_dot4_bn16": [(G, "TABLE_DOT_MIN_ROWS", 4), (G, "DOT_BLOCK", (16, 512, 4, 3))],
         "moe_persistent": [(ME, "PERSISTENT", True)],  # router, gate/up, down in one launch (run H: slower)
         "persistent_1_per_sm": [(ME, "PERSISTENT", True), (GS, "PROGRAMS_PER_SM", 1)],
         "poll_atomic": [(ME, "PERSISTENT", True), (GS, "POLL", "atomic")],

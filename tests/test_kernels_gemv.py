@@ -125,6 +125,21 @@ def test_block_table_for_flint_shapes(monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
+def test_table_dot_rows_switch_to_tensor_cores(kind, monkeypatch):
+    """TABLE_DOT_MIN_ROWS (the profile variant gemv_dot4): from 4 rows on, the table's blocks take the tensor-core
+    path; fewer rows and two-weight calls keep the FMA path. Results as the reference either way."""
+    monkeypatch.setattr(G, "TABLE_DOT_MIN_ROWS", 4)
+    spec = wt.WeightSpec(kind, 1, 2048, 4096)
+    assert G.pick_blocks(spec, 8).dot and G.pick_blocks(spec, 4).dot
+    assert not G.pick_blocks(spec, 2).dot and not G.pick_blocks(spec, 8, n_weights=2).dot
+    n, k = 256, 512
+    x, nw, res = inputs(41, 5, n, k)
+    w = make_weight(jax.random.PRNGKey(8), n, k, kind)
+    out = G.gemv(x, w, norm_weight=nw, residual=res, interpret=INTERPRET)
+    assert_residual_close(out, G.ref_gemv(x, w, norm_weight=nw, residual=res), res)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
 @pytest.mark.parametrize("m", [1, 3])
 def test_gemv_swiglu(kind, m):
     n, k = 256, 512

@@ -10,7 +10,10 @@ runs, where both sides sum in the same order).
 """
 
 
+import dataclasses
+
 import flint_jax  # noqa: F401  (XLA_FLAGS first)
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,6 +28,7 @@ from kernel_mode import INTERPRET
 BF16, F32 = jnp.bfloat16, jnp.float32
 E, N, K = 8, 64, 128
 BLOCK = gm.Block(bm=16, bn=32, bk=32, num_warps=4, num_stages=1)  # several tiles, visits and K steps
+BLOCK_LHS = gm.Block(bm=16, bn=32, bk=32, num_warps=4, num_stages=1, weights_lhs=True)  # W x^T, transposed back
 
 
 def weights(kind, n=N, k=K, seed=0):
@@ -52,12 +56,13 @@ def inputs(sizes, extra_rows=3):
     return x, sizes, int(sizes.sum())
 
 
+@pytest.mark.parametrize("block", [BLOCK, BLOCK_LHS], ids=["x_lhs", "weights_lhs"])
 @pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
 @pytest.mark.parametrize("groups", list(GROUPS))
-def test_grouped_matmul_matches_reference(kind, groups):
+def test_grouped_matmul_matches_reference(kind, groups, block):
     x, sizes, n = inputs(GROUPS[groups])
     w = weights(kind)
-    out = gm.grouped_matmul(x, w, sizes, interpret=INTERPRET, block=BLOCK)
+    out = gm.grouped_matmul(x, w, sizes, interpret=INTERPRET, block=block)
     ref = gm.ref_grouped_matmul(x, w, sizes)
     assert out.shape == (x.shape[0], N)
     assert_bf16_close(out[:n], ref[:n])
@@ -67,12 +72,13 @@ def test_grouped_matmul_matches_reference(kind, groups):
                                   np.asarray(L._grouped_linear(x[:n], w, sizes, expert_of_row), F32))
 
 
+@pytest.mark.parametrize("block", [BLOCK, BLOCK_LHS], ids=["x_lhs", "weights_lhs"])
 @pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
 @pytest.mark.parametrize("groups", ["uneven_with_empty", "all_on_one_expert"])
-def test_grouped_swiglu_matches_reference(kind, groups):
+def test_grouped_swiglu_matches_reference(kind, groups, block):
     x, sizes, n = inputs(GROUPS[groups])
     gate, up = weights(kind, seed=1), weights(kind, seed=2)
-    out = gm.grouped_swiglu(x, gate, up, sizes, interpret=INTERPRET, block=BLOCK)
+    out = gm.grouped_swiglu(x, gate, up, sizes, interpret=INTERPRET, block=block)
     ref = gm.ref_grouped_swiglu(x, gate, up, sizes)
     assert_bf16_close(out[:n], ref[:n], max_ulp=2)  # a flipped gate or up bit moves the product by up to 2 ulps
     expert_of_row = jnp.repeat(jnp.arange(E), sizes, total_repeat_length=n)
@@ -136,7 +142,12 @@ def test_kernels_lower_to_triton_for_h200(monkeypatch):
     for kind in ("bf16", "nvfp4"):
         gu = S((Ef, I, H), BF16) if kind == "bf16" else nvfp4.abstract((Ef, I, H))
         dn = S((Ef, H, I), BF16) if kind == "bf16" else nvfp4.abstract((Ef, H, I))
-        for fn, args in ((lambda x, g, u, s: gm.grouped_swiglu(x, g, u, s), (S((R, H), BF16), gu, gu, sizes)),
-                         (lambda x, w, s: gm.grouped_matmul(x, w, s), (S((R, I), BF16), dn, sizes))):
-            text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-            assert "__gpu$xla.gpu.triton" in text
+        for lhs in (False, True):
+            blk = {mode: dataclasses.replace(gm.default_block(kind, mode), weights_lhs=lhs)
+                   for mode in ("swiglu", "linear")}
+            for fn, args in ((lambda x, g, u, s: gm.grouped_swiglu(x, g, u, s, block=blk["swiglu"]),
+                              (S((R, H), BF16), gu, gu, sizes)),
+                             (lambda x, w, s: gm.grouped_matmul(x, w, s, block=blk["linear"]),
+                              (S((R, I), BF16), dn, sizes))):
+                text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+                assert "__gpu$xla.gpu.triton" in text
