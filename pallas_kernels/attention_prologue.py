@@ -92,7 +92,7 @@ def qkv_projection(h: jax.Array, attn_norm: jax.Array, attn, cfg: FlintConfig, i
         raise ValueError(f"qkv_projection: q/k/v weights mix kinds {[s.kind for s in specs]}")
     total = (Hq + 2 * KV) * D
     mp = wt.pow2_rows(B)
-    blocks = G.resolve_blocks(wt.WeightSpec(specs[0].kind, 1, total, H), mp, 1, QKV_BLOCK)
+    blocks = G.resolve_blocks(wt.WeightSpec(specs[0].kind, 1, total, H), mp, 1, QKV_BLOCK, allow_dot=False)
     bn = min(blocks.bn, *(wt.largest_pow2_divisor(s.n, blocks.bn) for s in specs))
     blocks = blocks._replace(bn=bn)
     if blocks.dot:

@@ -49,10 +49,11 @@ TABLE_DOT_MIN_ROWS = None
 DOT_BLOCK = (32, 512, 4, 3)  # (bn, bk, warps, stages)
 
 
-def pick_blocks(spec: wt.WeightSpec, m: int, n_weights: int = 1) -> Blocks:
-    """Block sizes from a small table (tuned on the H200, docs/KERNELS.md), then shrunk so that N/BN >= 2 x SMs."""
+def pick_blocks(spec: wt.WeightSpec, m: int, n_weights: int = 1, allow_dot: bool = True) -> Blocks:
+    """Block sizes from a small table (tuned on the H200, docs/KERNELS.md), then shrunk so that N/BN >= 2 x SMs.
+    allow_dot=False: FMA-path blocks only (kernels without a tensor-core path)."""
     bk = TABLE_BK
-    if TABLE_DOT_MIN_ROWS is not None and m >= TABLE_DOT_MIN_ROWS and n_weights == 1:
+    if allow_dot and TABLE_DOT_MIN_ROWS is not None and m >= TABLE_DOT_MIN_ROWS and n_weights == 1:
         bn, bk, warps, stages = DOT_BLOCK
         bn = max(16, min(bn, wt.largest_pow2_divisor(spec.n, bn)))
         return Blocks(bn, wt.k_tile(spec, bk), warps, stages, dot=True)
@@ -77,10 +78,10 @@ def pick_blocks(spec: wt.WeightSpec, m: int, n_weights: int = 1) -> Blocks:
     return Blocks(bn, wt.k_tile(spec, bk), warps, stages, prefetch=TABLE_PREFETCH)
 
 
-def resolve_blocks(spec, m, n_weights, block) -> Blocks:
+def resolve_blocks(spec, m, n_weights, block, allow_dot: bool = True) -> Blocks:
     """The blocks a kernel runs with: the table's (`pick_blocks`), or `block` fitted to the shape."""
     if block is None:
-        return pick_blocks(spec, m, n_weights)
+        return pick_blocks(spec, m, n_weights, allow_dot)
     b = Blocks(*block)
     b = b._replace(bn=wt.largest_pow2_divisor(spec.n, b.bn), bk=wt.k_tile(spec, b.bk))
     if b.dot and (b.bn < 16 or (b.bk // 2 if spec.kind == "nvfp4" else b.bk) < 16):

@@ -132,6 +132,7 @@ def test_table_dot_rows_switch_to_tensor_cores(kind, monkeypatch):
     spec = wt.WeightSpec(kind, 1, 2048, 4096)
     assert G.pick_blocks(spec, 8).dot and G.pick_blocks(spec, 4).dot
     assert not G.pick_blocks(spec, 2).dot and not G.pick_blocks(spec, 8, n_weights=2).dot
+    assert not G.pick_blocks(spec, 8, allow_dot=False).dot  # qkv_projection has no tensor-core path
     n, k = 256, 512
     x, nw, res = inputs(41, 5, n, k)
     w = make_weight(jax.random.PRNGKey(8), n, k, kind)
