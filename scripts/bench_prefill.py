@@ -69,8 +69,8 @@ GM_SWEEP = {  # candidates; the one the table picks for the shape is timed first
     # NVFP4: the decoded weight tile as the dot's left operand (Block.weights_lhs) first, then other tile sizes
     ("nvfp4", "swiglu"): [gm.Block(128, 64, 64, 8, 3), gm.Block(128, 64, 64, 8, 3, True),
                           gm.Block(128, 128, 64, 8, 3, True), gm.Block(64, 64, 64, 4, 3), gm.Block(64, 128, 64, 8, 3)],
-    ("nvfp4", "linear"): [gm.Block(128, 128, 64, 8, 3), gm.Block(128, 128, 64, 8, 3, True),
-                          gm.Block(128, 64, 64, 4, 3, True), gm.Block(64, 128, 64, 4, 3), gm.Block(128, 64, 64, 4, 3)],
+    ("nvfp4", "linear"): [gm.Block(128, 128, 64, 8, 3), gm.NVFP4_LINEAR_LHS, gm.Block(128, 128, 64, 8, 3, True),
+                          gm.Block(64, 128, 64, 4, 3), gm.Block(128, 64, 64, 4, 3)],
 }
 ATTN_SWEEP = [pa.DEFAULT_BLOCK, pa.Block(128, 32, 8, 2), pa.Block(64, 64, 4, 2), pa.Block(128, 64, 8, 2, pv="bf16")]
 
@@ -341,6 +341,10 @@ def section_check(run: Run, cfg: FlintConfig, tiny: bool) -> None:
                 ("grouped_swiglu", functools.partial(gm.grouped_swiglu, interpret=interpret), gm.ref_grouped_swiglu,
                  (x, g, u, sizes)),
                 ("grouped_matmul down", functools.partial(gm.grouped_matmul, interpret=interpret),
+                 gm.ref_grouped_matmul, (xa, d, sizes)),
+                ("grouped_matmul down weights_lhs", functools.partial(
+                    gm.grouped_matmul, interpret=interpret, block=dataclasses.replace(
+                        gm.NVFP4_LINEAR_LHS, bm=64 if tiny else gm.NVFP4_LINEAR_LHS.bm)),
                  gm.ref_grouped_matmul, (xa, d, sizes))):
             what = f"{name} {kind}"
             try:
