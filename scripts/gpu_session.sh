@@ -13,6 +13,7 @@
 #             took 114 s in run F)
 #   decode8   the same for NVFP4 Pallas at batch 8 (8K, 32K, 100K)
 #   prefill   8K prefill and 100K TTFT (issue 7), kernels checked against references first
+#   prefill_check  only the prefill kernels against their references (incl. grouped_matmul.NVFP4_LINEAR_LHS)
 #   tune      device time of each weight-streaming kernel over a grid of block settings (scripts/tune_weight_kernels.py)
 #   dispatch  host dispatch cost of the decode step at Flint's buffer count (scripts/dispatch_overhead.py)
 #   weights   the weight-streaming kernel benchmark (issue 4)
@@ -67,6 +68,8 @@ for p in $parts; do
              --xla-points 1:100000 --served-steps ${DECODE_SERVED_STEPS:-4} --budget-s ${DECODE_BUDGET:-300} ;;
     decode8) part decode8 ${DECODE8_LIMIT:-120} python3 scripts/bench_decode.py --out "$work/decode8" --weights nvfp4 \
              --impls pallas --batches 8 --contexts 100000,8192,32768 --served-steps 0 --budget-s ${DECODE8_BUDGET:-100} ;;
+    prefill_check) part prefill_check ${PREFILL_CHECK_LIMIT:-120} python3 scripts/bench_prefill.py --check \
+             --out "$work/prefill_check" --skip moe,attn,prefill,ttft,jax --no-sweep --budget-s 100 ;;
     prefill) part prefill ${PREFILL_LIMIT:-200} python3 scripts/bench_prefill.py ${PREFILL_ARGS:---check} --no-sweep \
              --skip ${PREFILL_SKIP:-moe,attn} --out "$work/prefill" --budget-s ${PREFILL_BUDGET:-180} ;;
     tune) part tune ${TUNE_LIMIT:-240} python3 scripts/tune_weight_kernels.py --out "$work/tune" \
@@ -80,7 +83,8 @@ done
 
 tar czf "$OUT/gpu_session.tgz" -C "$work" .
 cp "$work/summary.txt" "$OUT/"
-for f in profile/profile.md profile_bf16/profile.md decode/results.md decode8/results.md prefill/bench_prefill.md; do
+for f in profile/profile.md profile_bf16/profile.md decode/results.md decode8/results.md prefill/bench_prefill.md \
+         prefill_check/bench_prefill.md; do
   [ -f "$work/$f" ] && cp "$work/$f" "$OUT/$(dirname "$f").md"
   [ -f "$work/$(dirname "$f")/results.json" ] && cp "$work/$(dirname "$f")/results.json" "$OUT/$(dirname "$f").json"
 done
