@@ -55,7 +55,7 @@ def pick_blocks(spec: wt.WeightSpec, m: int, n_weights: int = 1, allow_dot: bool
     bk = TABLE_BK
     if allow_dot and TABLE_DOT_MIN_ROWS is not None and m >= TABLE_DOT_MIN_ROWS and n_weights == 1:
         bn, bk, warps, stages = DOT_BLOCK
-        bn = max(16, min(bn, wt.largest_pow2_divisor(spec.n, bn)))
+        bn = max(16, wt.largest_pow2_divisor(spec.n, bn))
         return Blocks(bn, wt.k_tile(spec, bk), warps, stages, dot=True)
     if spec.kind == "nvfp4" and m <= 2:
         # Measured on the H200 (scripts/tune_weight_kernels.py, docs/BENCHMARKS.md): thin blocks with long K tiles;
@@ -87,10 +87,6 @@ def resolve_blocks(spec, m, n_weights, block, allow_dot: bool = True) -> Blocks:
     if b.dot and (b.bn < 16 or (b.bk // 2 if spec.kind == "nvfp4" else b.bk) < 16):
         raise ValueError(f"the tensor-core path needs bn >= 16 and 16 values per K tile, got {b}")
     return b
-
-
-def _pad_rows(a: jax.Array, mp: int) -> jax.Array:
-    return a if a.shape[0] == mp else jnp.pad(a, ((0, mp - a.shape[0]), (0, 0)))
 
 
 def _gemv_kernel(*refs, spec, n_weights, mp, blocks, has_norm, has_res, eps, mode):
@@ -151,7 +147,7 @@ def _call(x, ws, *, norm_weight, eps, residual, interpret, mode, block):
     blocks = resolve_blocks(spec, mp, len(ws), block)
     if blocks.dot:
         mp = 16
-    operands = [wt.x_operand(_pad_rows(x.astype(BF16), mp), spec.kind)]
+    operands = [wt.x_operand(wt.pad_rows(x.astype(BF16), mp), spec.kind)]
     if norm_weight is not None:
         nw = norm_weight.astype(BF16)
         operands.append(nw.reshape(k // wt.GROUP, wt.GROUP) if spec.kind == "nvfp4" else nw)
@@ -159,7 +155,7 @@ def _call(x, ws, *, norm_weight, eps, residual, interpret, mode, block):
         operands.extend(ops)
     in_specs = [pl.no_block_spec] * len(operands)
     if residual is not None:
-        operands.append(_pad_rows(residual.astype(BF16), mp))
+        operands.append(wt.pad_rows(residual.astype(BF16), mp))
         in_specs.append(pl.BlockSpec((mp, blocks.bn), lambda j: (0, j)))
     out_dtype = F32 if mode == "logits" else BF16
     kernel = functools.partial(_gemv_kernel, spec=spec, n_weights=len(ws), mp=mp, blocks=blocks,

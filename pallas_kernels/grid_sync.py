@@ -1,8 +1,7 @@
 """Persistent-kernel helpers (Pallas, Triton lowering): a grid-wide barrier and a static round-robin of tiles.
 
-A decode step at batch 1 is a chain of small dependent kernels, and each launch costs a few microseconds of ramp-up
-and drain that no block setting removes (docs/BENCHMARKS.md, "fixed cost per launch"). A persistent kernel runs
-several such phases in one launch: `programs` programs, each looping over its share of a phase's tiles, with a
+A decode step at batch 1 is a chain of small dependent kernels. A persistent kernel runs several such phases in one
+launch: `programs` programs, each looping over its share of a phase's tiles, with a
 grid barrier between phases where the next phase reads what other programs wrote.
 
 The barrier is a counter per barrier in a zeroed int32 buffer (`sync`, aliased in and out so that every call gets a
@@ -27,6 +26,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from flint_jax.pallas_kernels import gemv
+
 SPIN_LIMIT = 1 << 17  # polls of about a microsecond each: ~0.1 s before a barrier gives up
 TIMEOUT_SLOT = 3  # sync[TIMEOUT_SLOT] counts barriers given up; slots 0..TIMEOUT_SLOT-1 are barrier counters
 SYNC_SLOTS = 4
@@ -35,12 +36,11 @@ SYNC_SLOTS = 4
 # "atomic" = atomic adds of 0 (each poll is an acquire).
 POLL = "load"
 PROGRAMS_PER_SM = 2  # 4 warps each: two always fit one SM (registers <= 255 per thread, little shared memory)
-H200_SMS = 132
 
 
 def resident_programs() -> int:
     """Programs a barrier-synchronised grid may have: PROGRAMS_PER_SM per SM of the default device."""
-    sms = getattr(jax.devices()[0], "core_count", None) or H200_SMS
+    sms = getattr(jax.devices()[0], "core_count", None) or gemv.NUM_SMS  # the H200's where the device has none
     return PROGRAMS_PER_SM * int(sms)
 
 

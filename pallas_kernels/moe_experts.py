@@ -137,6 +137,21 @@ def _gate_up_kernel(route_a, route_b, x_ref, *refs, m, k, g_spec, s_spec, bn, bk
                  elementwise=elementwise, prefetch=prefetch)
 
 
+def shared_expert_operands(moe):
+    """(spec, gate + up operands, down spec, down operands) of the MoE's shared expert, or (None, [], None, [])
+    without one. It must have the routed experts' kind and intermediate size (one kernel streams both)."""
+    if moe.shared_gate is None:
+        return None, [], None, []
+    g_spec, _ = wt.weight_operands(moe.gate, stacked=True)
+    d_spec, _ = wt.weight_operands(moe.down, stacked=True)
+    s_spec, sg_ops = wt.weight_operands(moe.shared_gate)
+    _, su_ops = wt.weight_operands(moe.shared_up)
+    sd_spec, sd_ops = wt.weight_operands(moe.shared_down)
+    if (s_spec.kind, s_spec.n, sd_spec.kind, sd_spec.k) != (g_spec.kind, g_spec.n, d_spec.kind, d_spec.k):
+        raise NotImplementedError("the shared expert must have the routed experts' kind and intermediate size")
+    return s_spec, [*sg_ops, *su_ops], sd_spec, list(sd_ops)
+
+
 def _route_operands(logits, moe, routing):
     """The expert kernels' first two operands: the router's (ids, weights) when given, else (logits, bias)."""
     if routing is not None:
@@ -155,17 +170,11 @@ def expert_gate_up(b: jax.Array, logits: jax.Array, moe, cfg: FlintConfig, *, in
     k = cfg.num_experts_per_tok
     g_spec, g_ops = wt.weight_operands(moe.gate, stacked=True)
     _, u_ops = wt.weight_operands(moe.up, stacked=True)
-    has_shared = moe.shared_gate is not None
-    operands = [*_route_operands(logits, moe, routing), wt.x_operand(b.astype(BF16), g_spec.kind), *g_ops, *u_ops]
-    s_spec = None
-    if has_shared:
-        s_spec, sg_ops = wt.weight_operands(moe.shared_gate)
-        _, su_ops = wt.weight_operands(moe.shared_up)
-        if (s_spec.kind, s_spec.n) != (g_spec.kind, g_spec.n):
-            raise NotImplementedError("the shared expert must have the routed experts' kind and intermediate size")
-        operands += [*sg_ops, *su_ops]
+    s_spec, shared_ops, _, _ = shared_expert_operands(moe)
+    operands = [*_route_operands(logits, moe, routing), wt.x_operand(b.astype(BF16), g_spec.kind), *g_ops, *u_ops,
+                *shared_ops]
     bn, bk, warps, stages, ew, pf = _pick(g_spec.n, hidden, g_spec.kind, block or GATE_UP_BLOCK)
-    pairs = m * (k + int(has_shared))
+    pairs = m * (k + int(s_spec is not None))
     kernel = functools.partial(_gate_up_kernel, m=m, k=k, g_spec=g_spec, s_spec=s_spec, bn=bn, bk=bk,
                                norm=bool(cfg.norm_topk_prob), scaling=float(cfg.routed_scaling_factor),
                                elementwise=ew, prefetch=pf)
@@ -224,14 +233,9 @@ def expert_down(act: jax.Array, logits: jax.Array, moe, cfg: FlintConfig, residu
     m, hidden = residual.shape
     k = cfg.num_experts_per_tok
     d_spec, d_ops = wt.weight_operands(moe.down, stacked=True)
-    has_shared = moe.shared_down is not None
-    operands = [*_route_operands(logits, moe, routing), wt.x_operand(act.astype(BF16), d_spec.kind), *d_ops]
-    s_spec = None
-    if has_shared:
-        s_spec, sd_ops = wt.weight_operands(moe.shared_down)
-        if (s_spec.kind, s_spec.k) != (d_spec.kind, d_spec.k):
-            raise NotImplementedError("the shared expert must have the routed experts' kind and intermediate size")
-        operands += list(sd_ops)
+    _, _, s_spec, shared_ops = shared_expert_operands(moe)
+    operands = [*_route_operands(logits, moe, routing), wt.x_operand(act.astype(BF16), d_spec.kind), *d_ops,
+                *shared_ops]
     bn, bk, warps, stages, _, _ = _pick(hidden, d_spec.k, d_spec.kind, block or DOWN_BLOCK)
     operands.append(residual.astype(BF16))
     in_specs = [pl.no_block_spec] * len(operands)

@@ -11,12 +11,14 @@
 
 Built to test whether the three-kernel block's 18.3 us per layer (run G, against a 4.5 us weight-bytes roofline) was
 the cost of its launches. It was not: in the step on the H200 this kernel took 28-29 us per layer, and 17.6 us with
-its barriers removed (run H, docs/BENCHMARKS.md), so it is off by default (`moe_experts.PERSISTENT`). The grid is
-`grid_sync.resident_programs()` programs that each take a round-robin share of every phase's tiles; the phases hand over through small buffers (logits 1 KB, b 4 KB,
-activations 7 KB per token) and the grid barriers of grid_sync.py. Used for M <= PERSISTENT_MAX_ROWS tokens: more
+its barriers removed (run H, docs/BENCHMARKS.md), so it is off by default (`moe_experts.PERSISTENT`).
+
+The grid is `grid_sync.resident_programs()` programs that each take a round-robin share of every phase's tiles; the
+phases hand over through small buffers (logits 1 KB, b 4 KB, activations 7 KB per token) and the grid barriers of
+grid_sync.py. Used for M <= PERSISTENT_MAX_ROWS tokens: more
 tokens give each program many tiles in series, where separate launches keep more loads in flight.
 
-The buffers b and the activations are kept in the layout the NVFP4 tiles read ([M, K/16, 16], `wt.x_operand`), so
+The buffers b and the activations are kept in the layout the NVFP4 tiles read (`wt.x_shape`: [M, K/16, 16]), so
 the writers reshape their tile once and the K loops read plain slices.
 
 In interpret mode the phases run as three pallas_calls of this same kernel (a barrier cannot work when programs run
@@ -126,20 +128,13 @@ def moe_block_persistent(h: jax.Array, layer, cfg: FlintConfig, *, interpret: bo
     g_spec, g_ops = wt.weight_operands(moe.gate, stacked=True)
     _, u_ops = wt.weight_operands(moe.up, stacked=True)
     d_spec, d_ops = wt.weight_operands(moe.down, stacked=True)
-    s_spec, sd_spec, shared_gate_up, shared_down = None, None, [], []
-    if moe.shared_gate is not None:
-        s_spec, sg_ops = wt.weight_operands(moe.shared_gate)
-        _, su_ops = wt.weight_operands(moe.shared_up)
-        sd_spec, sd_ops = wt.weight_operands(moe.shared_down)
-        if (s_spec.kind, s_spec.n, sd_spec.k) != (g_spec.kind, g_spec.n, d_spec.k):
-            raise NotImplementedError("the shared expert must have the routed experts' kind and intermediate size")
-        shared_gate_up, shared_down = [*sg_ops, *su_ops], list(sd_ops)
+    s_spec, shared_gate_up, sd_spec, shared_down = X.shared_expert_operands(moe)
     kind = g_spec.kind
     if d_spec.kind != kind:
         raise NotImplementedError("gate/up and down weights of one kind")
     e = moe.router.shape[0]
     pairs = m * (k + int(s_spec is not None))
-    hp = flat.astype(BF16) if m == mp else jnp.pad(flat.astype(BF16), ((0, mp - m), (0, 0)))
+    hp = wt.pad_rows(flat.astype(BF16), mp)
     norm_weight = layer.mlp_norm
     nw = norm_weight.astype(BF16) if norm_weight is not None else jnp.ones((hidden,), BF16)
     operands = [hp, nw, moe.router[None].astype(F32), moe.router_bias.astype(F32), *g_ops, *u_ops, *shared_gate_up,
@@ -147,11 +142,8 @@ def moe_block_persistent(h: jax.Array, layer, cfg: FlintConfig, *, interpret: bo
     gate_up = _tile(GATE_UP_TILE, g_spec.n, hidden, kind)
     if kind == "nvfp4" and gate_up[0] % wt.GROUP:
         raise NotImplementedError(f"NVFP4 gate/up tiles store whole {wt.GROUP}-value groups: I={g_spec.n}")
-    def x_layout(rows, k_):  # wt.x_operand's shape
-        return (rows, k_ // wt.GROUP, wt.GROUP) if kind == "nvfp4" else (rows, k_)
-
-    bufs = [jax.ShapeDtypeStruct((mp, e), F32), jax.ShapeDtypeStruct(x_layout(mp, hidden), BF16),
-            jax.ShapeDtypeStruct(x_layout(pairs, g_spec.n), BF16), jax.ShapeDtypeStruct((mp, hidden), BF16),
+    bufs = [jax.ShapeDtypeStruct((mp, e), F32), jax.ShapeDtypeStruct(wt.x_shape(mp, hidden, kind), BF16),
+            jax.ShapeDtypeStruct(wt.x_shape(pairs, g_spec.n, kind), BF16), jax.ShapeDtypeStruct((mp, hidden), BF16),
             jax.ShapeDtypeStruct((gs.SYNC_SLOTS,), jnp.int32)]
     programs = programs or (4 if interpret else gs.resident_programs())
     kernel = functools.partial(

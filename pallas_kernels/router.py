@@ -140,7 +140,7 @@ def router_logits(h: jax.Array, router: jax.Array, *, norm_weight: jax.Array | N
     be, bk, warps, stages = block or (2, 2048, 4, 1)
     be = wt.largest_pow2_divisor(e, be)
     bk = wt.largest_pow2_divisor(hidden, bk)
-    hp = h.astype(BF16) if m == mp else jnp.pad(h.astype(BF16), ((0, mp - m), (0, 0)))
+    hp = wt.pad_rows(h.astype(BF16), mp)
     nw = norm_weight.astype(BF16) if norm_weight is not None else jnp.ones((hidden,), BF16)
     args = [hp, nw, router[None].astype(F32)]
     out_shape = [jax.ShapeDtypeStruct((mp, e), F32), jax.ShapeDtypeStruct((mp, hidden), BF16)]

@@ -82,12 +82,19 @@ def weight_operands(w, stacked: bool = False) -> tuple[WeightSpec, tuple[jax.Arr
     return WeightSpec("bf16", e, n, k), (w,)
 
 
+def x_shape(m: int, k: int, kind: str) -> tuple[int, ...]:
+    """The layout activations [M, K] stream against a weight kind in: [M, K/16, 16] for NVFP4, else [M, K]."""
+    return (m, k // GROUP, GROUP) if kind == "nvfp4" else (m, k)
+
+
 def x_operand(x: jax.Array, kind: str) -> jax.Array:
-    """Activations [M, K] in the layout the weight kind streams against: [M, K/16, 16] for NVFP4."""
-    if kind == "nvfp4":
-        m, k = x.shape
-        return x.reshape(m, k // GROUP, GROUP)
-    return x
+    """Activations [M, K] in the layout of `x_shape` (a free reshape)."""
+    return x.reshape(x_shape(*x.shape, kind))
+
+
+def pad_rows(a: jax.Array, mp: int) -> jax.Array:
+    """[M, ...] -> [mp, ...] with zero rows (kernels take 1, 2, 4 or 8 rows: `pow2_rows`)."""
+    return a if a.shape[0] == mp else jnp.pad(a, ((0, mp - a.shape[0]),) + ((0, 0),) * (a.ndim - 1))
 
 
 def pow2_rows(m: int) -> int:
