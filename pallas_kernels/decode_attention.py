@@ -57,11 +57,30 @@ COMBINE_IN_KERNEL = True
 # two 64-key blocks per (sequence, KV head) instead of one program walking 9 blocks serially (17.9 us per layer on
 # the H200 at one split: the loop is latency-bound, docs/BENCHMARKS.md).
 RING_SPLITS = 8
-# The last-arriving program folds at most this many splits (FOLD_SPLITS per load); more splits (full layers at
+# The last-arriving program folds at most this many splits (FOLD_VALUES below per load); more splits (full layers at
 # long contexts: 128 at B = 1) go to the `combine` kernel, which folds them in parallel over (sequence, head)
 # programs: one program folding 128 splits cost 113 us per layer at 100K on the H200 (docs/BENCHMARKS.md).
 MAX_SPLITS_IN_KERNEL = 16
-FOLD_SPLITS = 4
+# The fold loads the partials of as many splits at once as keep [heads, splits, D] within FOLD_VALUES f32 values
+# (64 per thread at 4 warps): a ring's 8 splits of 8 heads in one load.
+FOLD_VALUES = 8192
+
+
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def _load_ring_block(k_ref, v_ref, kpos_ref, b, kv, t0, active, n_slots: int, dh: int):
+    """One BLOCK_K block of a ring at static-offset t0 (+ the split's start): (positions, K halves, V). Slots
+    past the ring, and every slot of an inactive row, are not read (position -1, zeros)."""
+    idx = t0 + jnp.arange(BLOCK_K)
+    ok = (idx < n_slots) & active
+    kp = plgpu.load(kpos_ref.at[b, pl.ds(t0, BLOCK_K)], mask=ok, other=-1)
+    rmask = ok[:, None]
+    kb1 = plgpu.load(k_ref.at[b, kv, pl.ds(t0, BLOCK_K), pl.ds(0, dh)], mask=rmask, other=0)
+    kb2 = plgpu.load(k_ref.at[b, kv, pl.ds(t0, BLOCK_K), pl.ds(dh, dh)], mask=rmask, other=0)
+    vb = plgpu.load(v_ref.at[b, kv, pl.ds(t0, BLOCK_K), :], mask=rmask, other=0)
+    return kp, kb1, kb2, vb
 
 
 def default_splits(batch: int, kv_heads: int, sliding: bool) -> int:
@@ -104,19 +123,27 @@ def _attn_kernel(*refs, mode, ring, sliding, B, Hq, KV, G, D, window, n_slots, s
 
     if mode == "fused":
         qkv_ref, qn_ref, kn_ref, invf_ref, pos_ref, act_ref, sink_ref, *cache_in = ins
-        pos = pos_ref[b]
-        active = act_ref[b] != 0
+    else:
+        q_ref, pos_ref, act_ref, sink_ref, *cache_in = ins
+    k_ref, v_ref = cache_in[0], cache_in[1]
+    kpos_ref = cache_in[2] if ring else None
+    pos = pos_ref[b]
+    active = act_ref[b] != 0
+    idx0 = jnp.arange(BLOCK_K)
+    if ring:
+        # A ring split is a static number of blocks: issue all its key/value loads first, so their latency
+        # overlaps the query's loads and finishing (one memory round trip instead of one per block).
+        chunk = ring_chunk(n_slots, splits)
+        lo = s * chunk
+        ring_tiles = [_load_ring_block(k_ref, v_ref, kpos_ref, b, kv, lo + j * BLOCK_K, active, n_slots, dh)
+                      for j in range(chunk // BLOCK_K)]
+    if mode == "fused":
         q1, q2, k1, k2, v_new = load_raw_heads(qkv_ref, b, kv, Hq=Hq, KV=KV, G=G, D=D)
         q1, q2 = finish_heads(q1, q2, qn_ref, invf_ref, pos, eps=eps, sliding=sliding)
         k1, k2 = finish_heads(k1, k2, kn_ref, invf_ref, pos, eps=eps, sliding=sliding)
     else:
-        q_ref, pos_ref, act_ref, sink_ref, *cache_in = ins
-        pos = pos_ref[b]
-        active = act_ref[b] != 0
         q1 = plgpu.load(q_ref.at[b, pl.ds(kv * G, ROWS), pl.ds(0, dh)], mask=gmask, other=0)
         q2 = plgpu.load(q_ref.at[b, pl.ds(kv * G, ROWS), pl.ds(dh, dh)], mask=gmask, other=0)
-    k_ref, v_ref = cache_in[0], cache_in[1]
-    kpos_ref = cache_in[2] if ring else None
     if mode == "fused":
         k_out, v_out = outs[-3 if ring else -2], outs[-2 if ring else -1]
         pos_out = outs[-1] if ring else None
@@ -141,44 +168,42 @@ def _attn_kernel(*refs, mode, ring, sliding, B, Hq, KV, G, D, window, n_slots, s
 
     # Key range of this program. Old keys only in fused mode (the new one is already in the state).
     q_pos = jnp.where(active, pos, -1)
-    if ring:  # static split of the W slots; every split stores its partials
-        chunk = ring_chunk(n_slots, splits)
-        lo = s * chunk
-        n_blocks = jnp.where(active, pl.cdiv(jnp.maximum(jnp.minimum(n_slots, lo + chunk) - lo, 0), BLOCK_K), 0)
-        n_active = splits
-    else:
-        length, chunk, n_active = split_geometry(pos, active, fused=mode == "fused", splits=splits,
-                                                 min_chunk=min_chunk)
-        lo = s * chunk
-        hi = jnp.minimum(length, lo + chunk)
-        n_blocks = pl.cdiv(jnp.maximum(hi - lo, 0), BLOCK_K)
-    idx0 = jnp.arange(BLOCK_K)
 
-    def body(i, carry):
+    def attend_block(carry, kb1, kb2, vb, ok):
         m, l, acc = carry
-        t0 = lo + i * BLOCK_K
-        idx = t0 + idx0
-        in_cache = idx < n_slots
-        if ring:
-            kp = plgpu.load(kpos_ref.at[b, pl.ds(t0, BLOCK_K)], mask=in_cache, other=-1)
-            newest = kp < q_pos if mode == "fused" else kp <= q_pos
-            ok = (kp >= 0) & newest & (q_pos - kp < window)
-        else:
-            ok = idx < hi
-        rmask = in_cache[:, None]
-        kb1 = plgpu.load(k_ref.at[b, kv, pl.ds(t0, BLOCK_K), pl.ds(0, dh)], mask=rmask, other=0)
-        kb2 = plgpu.load(k_ref.at[b, kv, pl.ds(t0, BLOCK_K), pl.ds(dh, dh)], mask=rmask, other=0)
         sc = (plgpu.dot(q1, kb1, trans_b=True) + plgpu.dot(q2, kb2, trans_b=True)) * inv_sqrt_d  # [ROWS, BK]
         sc = jnp.where(ok[None, :], sc, NEG_INF)
         m_new = jnp.maximum(m, jnp.max(sc, axis=1))
         m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
         alpha = jnp.exp(m - m_safe)
         p = jnp.exp(sc - m_safe[:, None])
-        vb = plgpu.load(v_ref.at[b, kv, pl.ds(t0, BLOCK_K), :], mask=rmask, other=0)
         pv = plgpu.dot(p, vb.astype(F32), allow_tf32=True)
         return m_new, l * alpha + jnp.sum(p, axis=1), acc * alpha[:, None] + pv
 
-    m, l, acc = jax.lax.fori_loop(0, n_blocks, body, (m, l, acc))
+    if ring:  # static split of the W slots (loaded above); every split stores its partials
+        n_active = splits
+        carry = (m, l, acc)
+        for kp, kb1, kb2, vb in ring_tiles:
+            newest = kp < q_pos if mode == "fused" else kp <= q_pos
+            ok = (kp >= 0) & newest & (q_pos - kp < window)
+            carry = attend_block(carry, kb1, kb2, vb, ok)
+        m, l, acc = carry
+    else:
+        length, chunk, n_active = split_geometry(pos, active, fused=mode == "fused", splits=splits,
+                                                 min_chunk=min_chunk)
+        lo = s * chunk
+        hi = jnp.minimum(length, lo + chunk)
+        n_blocks = pl.cdiv(jnp.maximum(hi - lo, 0), BLOCK_K)
+
+        def body(i, carry):
+            t0 = lo + i * BLOCK_K
+            rmask = ((t0 + idx0) < n_slots)[:, None]
+            kb1 = plgpu.load(k_ref.at[b, kv, pl.ds(t0, BLOCK_K), pl.ds(0, dh)], mask=rmask, other=0)
+            kb2 = plgpu.load(k_ref.at[b, kv, pl.ds(t0, BLOCK_K), pl.ds(dh, dh)], mask=rmask, other=0)
+            vb = plgpu.load(v_ref.at[b, kv, pl.ds(t0, BLOCK_K), :], mask=rmask, other=0)
+            return attend_block(carry, kb1, kb2, vb, (t0 + idx0) < hi)
+
+        m, l, acc = jax.lax.fori_loop(0, n_blocks, body, (m, l, acc))
 
     heads = pl.ds(kv * G, ROWS)
     if splits == 1:
@@ -207,28 +232,42 @@ def _attn_kernel(*refs, mode, ring, sliding, B, Hq, KV, G, D, window, n_slots, s
 
             @pl.when(ticket == splits - 1)  # the last of this (sequence, KV head)'s splits folds them all
             def _():
-                sink = plgpu.load(sink_ref.at[heads], mask=gmask[:, 0], other=0).astype(F32)
+                # Only the G real heads (padded to a power of two), not the ROWS of the dot tiles: so the whole
+                # fold (every split's acc, m and l) is one round of loads when splits * FR * D fits FOLD_VALUES.
                 # Volatile loads: the partials were written by other SMs during this launch (not via L1).
-                live = gmask & (jnp.arange(splits) < n_active)[None, :]
-                mm = plgpu.load(m_ref.at[b, heads, :], mask=live, other=NEG_INF, volatile=True)
-                ll = plgpu.load(l_ref.at[b, heads, :], mask=live, other=0, volatile=True)
+                FR = _pow2(G)
+                fheads = pl.ds(kv * G, FR)
+                fmask = (jnp.arange(FR) < G)[:, None]
+                C = max(1, min(splits, FOLD_VALUES // (FR * D)))
+                live = fmask & (jnp.arange(splits) < n_active)[None, :]
+
+                def load_acc(c):  # C splits' partials in one [FR, C, D] load
+                    idx = c * C + jnp.arange(C)
+                    live2 = fmask & (idx < n_active)[None, :]
+                    return plgpu.load(acc_ref.at[b, fheads, pl.ds(c * C, C), :], mask=live2[:, :, None], other=0,
+                                      volatile=True)
+
+                first = load_acc(0)  # issued with the m and l loads, before any arithmetic waits on them
+                mm = plgpu.load(m_ref.at[b, fheads, :], mask=live, other=NEG_INF, volatile=True)
+                ll = plgpu.load(l_ref.at[b, fheads, :], mask=live, other=0, volatile=True)
+                sink = plgpu.load(sink_ref.at[fheads], mask=fmask[:, 0], other=0).astype(F32)
                 big = jnp.maximum(jnp.max(mm, axis=1), sink)
                 big = jnp.where(jnp.isfinite(big), big, 0.0)
-                denom = jnp.sum(ll * jnp.exp(mm - big[:, None]), axis=1) + jnp.exp(sink - big)
+                scale = jnp.exp(mm - big[:, None])  # [FR, splits]
+                denom = jnp.sum(ll * scale, axis=1) + jnp.exp(sink - big)
 
-                C = min(splits, FOLD_SPLITS)
-
-                def fold(c, o):  # C splits' partials in one [ROWS, C, D] load, not C dependent loads
+                def fold(c, o, a):
                     idx = c * C + jnp.arange(C)
-                    live2 = gmask & (idx < n_active)[None, :]
-                    a = plgpu.load(acc_ref.at[b, heads, pl.ds(c * C, C), :], mask=live2[:, :, None], other=0,
-                                   volatile=True)
-                    mi = plgpu.load(m_ref.at[b, heads, pl.ds(c * C, C)], mask=live2, other=NEG_INF, volatile=True)
+                    live2 = fmask & (idx < n_active)[None, :]
+                    mi = plgpu.load(m_ref.at[b, fheads, pl.ds(c * C, C)], mask=live2, other=NEG_INF, volatile=True)
                     return o + jnp.sum(a * jnp.exp(mi - big[:, None])[:, :, None], axis=1)
 
-                zero = jnp.zeros((ROWS, D), F32)
-                o = fold(0, zero) if splits <= C else jax.lax.fori_loop(0, pl.cdiv(n_active, C), fold, zero)
-                plgpu.store(o_ref.at[b, heads, :], (o / denom[:, None]).astype(BF16), mask=gmask)
+                if splits <= C:
+                    o = jnp.sum(first * scale[:, :, None], axis=1)
+                else:
+                    o = jax.lax.fori_loop(1, pl.cdiv(n_active, C), lambda c, o: fold(c, o, load_acc(c)),
+                                          fold(0, jnp.zeros((FR, D), F32), first))
+                plgpu.store(o_ref.at[b, fheads, :], (o / denom[:, None]).astype(BF16), mask=fmask)
 
 
 def _combine_kernel(acc_ref, m_ref, l_ref, sink_ref, pos_ref, act_ref, o_ref, *, ring, fused, splits, min_chunk):

@@ -65,18 +65,17 @@ class Block:
 # decode; with Flint's 8K-token prefill an expert gets ~190 rows, so a partial last tile costs ~25% extra work.
 # All four compile for sm_90 with Triton 3.6 without register spills (128 x 128 x 2 FP32 accumulators for SwiGLU
 # use all 255 registers; NVFP4 SwiGLU uses BN = 64 to stay there).
-BLOCKS = {
-    ("bf16", "linear"): Block(128, 128, 64, 8, 3),
-    ("bf16", "swiglu"): Block(128, 128, 64, 8, 3),
-    # Faster on the H200 (run L, docs/BENCHMARKS.md, 8K tokens): NVFP4_LINEAR_LHS, 1.235 -> 0.940 ms per layer. It
-    # becomes this entry once its compiled check against the reference has run on the GPU (bench_prefill --check):
-    # run L timed it without checking it, and the session's device time ran out.
-    ("nvfp4", "linear"): Block(128, 128, 64, 8, 3),
-    ("nvfp4", "swiglu"): Block(128, 64, 64, 8, 3),
-}
 # The down projection with the decoded weight tile as the dot's left operand, 64 weight rows, 4 warps. For the SwiGLU
 # pair the same swap was no faster (1.729 ms at 128 x 128, 3.28 at 128 x 64, against 1.706).
 NVFP4_LINEAR_LHS = Block(128, 64, 64, 4, 3, weights_lhs=True)
+BLOCKS = {
+    ("bf16", "linear"): Block(128, 128, 64, 8, 3),
+    ("bf16", "swiglu"): Block(128, 128, 64, 8, 3),
+    # NVFP4_LINEAR_LHS: 1.235 -> 0.940 ms per layer at 8K tokens against (128, 128, 64), 8 warps (run L,
+    # docs/BENCHMARKS.md); checked against the reference compiled on the H200 in run N.
+    ("nvfp4", "linear"): NVFP4_LINEAR_LHS,
+    ("nvfp4", "swiglu"): Block(128, 64, 64, 8, 3),
+}
 
 
 # With few rows per expert (short chunks: 2K tokens x top-6 / 256 experts ~ 48 rows) a 128-row tile is mostly

@@ -25,10 +25,17 @@ with several blocks only the FP32 rescaling and summation order differ. A row wi
 sink gives 0 (the reference gives 0/0 there; no real token is in that case).
 
 P @ V (`Block.pv`): "f32" is an FP32 dot like the reference's (interpret mode's default; on the GPU it would be
-a slow IEEE FP32 dot); "bf16x2" (the GPU default) runs two BF16 tensor-core products, p_hi = bf16(p) and
-p_lo = bf16(p - p_hi), against the BF16 values (exact in BF16) with FP32 accumulation: p keeps 16 significant
-bits, an error of about 2^-17 relative, far below the BF16 rounding of o; "bf16" uses p_hi only (the usual flash
-attention shortcut, about 2^-9 relative per probability).
+a slow IEEE FP32 dot); "bf16" (the GPU default, `GPU_PV`) rounds p to BF16 for a tensor-core product against the
+BF16 values with FP32 accumulation, the usual flash-attention practice: about 2^-9 relative per probability, the
+same order as the BF16 rounding of o itself (tests/test_kernels_prefill_attention.py states the tolerance);
+"bf16x2" adds a second product with p_lo = bf16(p - p_hi), so p keeps 16 significant bits (about 2^-17), at one
+more tensor-core product per block (it was the default until run N measured the cost, docs/BENCHMARKS.md).
+The GPU modes also use base-2 exponentials: the scores are scaled by log2(e) / sqrt(D) in one multiply and the
+sink by log2(e), and e^x becomes 2^x (the same values up to FP32 rounding); "f32" keeps e^x and / sqrt(D).
+
+Full layers: the key blocks below the block's smallest query position need no mask (every query sees them); a
+first loop runs those without the mask arithmetic, a second the rest (the last one or two blocks of a chunk's
+diagonal), with the mask.
 
 Block edges: a last block that would run past the end of the keys (or queries) starts earlier instead, at
 extent - BK, and masks the keys an earlier block already counted; so no load goes out of bounds and no extent
@@ -58,11 +65,12 @@ class Block:
     rows: int = 128
     bk: int = 64
     num_warps: int = 8
-    num_stages: int = 2
-    pv: str | None = None  # "f32" | "bf16x2" | "bf16"; None: "f32" in interpret mode, else "bf16x2"
+    num_stages: int = 3  # run N, full layer at 8K: 1.81 ms at 3 stages, 1.96 at 2
+    pv: str | None = None  # "f32" | "bf16x2" | "bf16"; None: "f32" in interpret mode, else GPU_PV
 
 
 DEFAULT_BLOCK = Block()
+GPU_PV = "bf16"  # P @ V on the GPU when Block.pv is None (see the module docstring)
 
 
 def _bq(block: Block, G: int) -> int:
@@ -90,6 +98,11 @@ def _kernel(*refs, mode, G, BQ, BK, T, S, W, window, sqrt_d, pv_mode):
     i, kv, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     D = q_ref.shape[-1]
     R = BQ * G
+    # Base-2 exponentials on the GPU paths: the score scale and log2(e) fold into one multiply per score (the
+    # "f32" path keeps layers.attend's e^x and / sqrt(D), operation for operation).
+    exact = pv_mode == "f32"
+    unit = 1.0 if exact else math.log2(math.e)
+    exp = jnp.exp if exact else jnp.exp2
     # Last query block first: under the causal mask the late blocks have the most keys, so they start early and
     # the short ones fill the tail of the launch.
     i = pl.num_programs(0) - 1 - i
@@ -97,20 +110,19 @@ def _kernel(*refs, mode, G, BQ, BK, T, S, W, window, sqrt_d, pv_mode):
     qt = q_ref[b, pl.ds(t0, BQ), pl.ds(kv * G, G), :].reshape(R, D)
     qp_tok = qpos_ref[b, pl.ds(t0, BQ)]
     qp = jnp.broadcast_to(qp_tok[:, None], (BQ, G)).reshape(R)
-    sink = jnp.broadcast_to(sink_ref[pl.ds(kv * G, G)][None, :], (BQ, G)).reshape(R).astype(F32)
+    sink = jnp.broadcast_to(sink_ref[pl.ds(kv * G, G)][None, :], (BQ, G)).reshape(R).astype(F32) * unit
 
-    def step(carry, kt, vt, kp, fresh):
-        """One key block: kt/vt [BK, D], kp [BK] positions (-1 = none), fresh [BK] not seen by an earlier block."""
+    def scores(kt):
+        s = _dot_t(qt, kt)
+        return s / sqrt_d if exact else s * (unit / sqrt_d)
+
+    def update(carry, s, vt):
+        """The online-softmax step for scores s [R, BK] (masked keys at -inf) and values vt [BK, D]."""
         m, l, acc = carry
-        s = _dot_t(qt, kt) / sqrt_d
-        ok = (kp[None, :] >= 0) & (kp[None, :] <= qp[:, None]) & fresh[None, :]
-        if window is not None:
-            ok = ok & ((qp[:, None] - kp[None, :]) < window)
-        s = jnp.where(ok, s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp(m - m_safe)
-        p = jnp.exp(s - m_safe[:, None])
+        alpha = exp(m - m_safe)
+        p = exp(s - m_safe[:, None])
         l = l * alpha + jnp.sum(p, axis=1)
         if pv_mode == "f32":
             pv = _dot(p, vt.astype(F32))
@@ -120,6 +132,13 @@ def _kernel(*refs, mode, G, BQ, BK, T, S, W, window, sqrt_d, pv_mode):
             if pv_mode == "bf16x2":
                 pv = pv + _dot((p - p_hi.astype(F32)).astype(BF16), vt)
         return m_new, l, acc * alpha[:, None] + pv
+
+    def step(carry, kt, vt, kp, fresh):
+        """One key block: kt/vt [BK, D], kp [BK] positions (-1 = none), fresh [BK] not seen by an earlier block."""
+        ok = (kp[None, :] >= 0) & (kp[None, :] <= qp[:, None]) & fresh[None, :]
+        if window is not None:
+            ok = ok & ((qp[:, None] - kp[None, :]) < window)
+        return update(carry, jnp.where(ok, scores(kt), -jnp.inf), vt)
 
     def edge(j, extent):
         """Start of key block j over [0, extent), kept in bounds, and which of its keys are new."""
@@ -146,17 +165,28 @@ def _kernel(*refs, mode, G, BQ, BK, T, S, W, window, sqrt_d, pv_mode):
     else:
         length = len_ref[b]
 
+        # Keys every real query of the block may see (index <= the smallest position) need no mask: whole blocks
+        # below it skip the mask arithmetic (same operations on unmasked scores, so the same results).
+        q_min = jnp.min(jnp.where(qp_tok >= 0, qp_tok, jnp.iinfo(jnp.int32).max))
+        q_max = jnp.minimum(jnp.max(qp_tok), length - 1)
+        n_full = jnp.minimum((q_max + BK) // BK, pl.cdiv(S, BK))
+        n_free = jnp.minimum((jnp.minimum(q_min, S - 1) + 1) // BK, n_full)
+
+        def free_body(j, carry):
+            s0 = pl.multiple_of(j * BK, BK)
+            return update(carry, scores(k_ref[b, kv, pl.ds(s0, BK), :]), v_ref[b, kv, pl.ds(s0, BK), :])
+
         def body(j, carry):
             s0, idx, fresh = edge(j, S)
             kp = jnp.where(idx < length, idx, -1)
             return step(carry, k_ref[b, kv, pl.ds(s0, BK), :], v_ref[b, kv, pl.ds(s0, BK), :], kp, fresh)
 
-        q_max = jnp.minimum(jnp.max(qp_tok), length - 1)
-        n_full = jnp.minimum((q_max + BK) // BK, pl.cdiv(S, BK))
-        carry = jax.lax.fori_loop(0, n_full, body, carry)
+        carry = jax.lax.fori_loop(0, n_free, free_body, carry)
+        carry = jax.lax.fori_loop(n_free, n_full, body, carry)
 
     _, l, acc = carry
-    o = jnp.where(l[:, None] > 0, acc / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
+    real = (qp >= 0) & (l > 0)  # padding rows (position -1) and rows with nothing to attend give 0
+    o = jnp.where(real[:, None], acc / jnp.where(real, l, 1.0)[:, None], 0.0)
     o_ref[b, pl.ds(t0, BQ), pl.ds(kv * G, G), :] = o.reshape(BQ, G, D).astype(o_ref.dtype)
 
 
@@ -185,7 +215,7 @@ def _launch(mode, q, q_pos, sinks, key_ops, *, S, W, window, block, interpret):
     B, T, Hq, D = q.shape
     KV = key_ops[1].shape[1]
     G = Hq // KV
-    pv_mode = block.pv or ("f32" if interpret else "bf16x2")
+    pv_mode = block.pv or ("f32" if interpret else GPU_PV)
     if pv_mode not in ("f32", "bf16x2", "bf16"):
         raise ValueError(f"Block.pv must be 'f32', 'bf16x2' or 'bf16', got {pv_mode!r}")
     kernel = functools.partial(_kernel, mode=mode, G=G, BQ=_bq(block, G), BK=block.bk, T=T, S=S, W=W,

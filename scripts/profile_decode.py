@@ -17,6 +17,7 @@ data and the same cache state, rather than in an isolated micro-benchmark.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -50,7 +51,11 @@ def _variants():
         "moe_bn16": [(ME, "GATE_UP_BLOCK", (16, 512, 4, 3)), (ME, "DOWN_BLOCK", (16, 512, 4, 1))],
         "attn_bk128": [(DA, "BLOCK_K", 128)],
         "attn_warps8": [(DA, "NUM_WARPS", 8)],
-        "attn_splits64": [(DA, "MAX_SPLITS", 64)],
+        "attn_splits64": [(DA, "MAX_SPLITS", 64)],  # one wave of 256 programs at B = 1
+        "attn_stages4": [(DA, "NUM_STAGES", 4)],
+        # diagnostic: every MoE layer uses the same weights (one layer's QKV, O, router and shared expert stay in
+        # L2): what the weight kernels would cost if their weights were prefetched into L2
+        "hot_weights": [],
         "ring_splits4": [(DA, "RING_SPLITS", 4)],
         "combine_kernel": [(DA, "COMBINE_IN_KERNEL", False)],
         "topk_per_program": [(ME, "ROUTE_IN_ROUTER", False)],  # the default since run G
@@ -63,6 +68,13 @@ def _variants():
         # diagnostic: wrong results; what the barriers cost
         "persistent_no_barrier": [(ME, "PERSISTENT", True), (MP, "BARRIERS", False)],
     }
+
+
+def hot_weights(params, cfg: FlintConfig):
+    """The `hot_weights` variant's parameters: the dense layers as they are, every later layer the first MoE
+    layer's weights (the same buffers, so the same synthetic values each layer)."""
+    k = cfg.first_k_dense_replace
+    return dataclasses.replace(params, layers=params.layers[:k] + (params.layers[k],) * (len(params.layers) - k))
 
 
 class variant:
@@ -118,14 +130,16 @@ def main(argv=None) -> int:
                     state = random_state(cfg, args.batch, context + 8, context, jax.random.key(2))
                     tokens = jnp.arange(args.batch, dtype=jnp.int32) + 7
                     t = time.time()
-                    compiled = forward.lower(params, state, tokens, state.lengths).compile()
+                    run_params = hot_weights(params, cfg) if vname == "hot_weights" else params
+                    compiled = forward.lower(run_params, state, tokens, state.lengths).compile()
                     kernels = count_kernels(compiled)
                     log(f"{tag}: compiled in {time.time() - t:.1f}s, {kernels} kernel-launching ops")
                     # The AOT executable itself: calling `forward` would compile the same program a second time.
-                    ms, state = time_steps(compiled, params, state, tokens, (), 20, context)
+                    ms, state = time_steps(compiled, run_params, state, tokens, (), 20, context)
                     log(f"{tag}: {ms:.3f} ms per step")
                     tdir = os.path.join(args.out, f"trace_{weights}_{impl}_{vname}")
-                    events, state = trace_steps(compiled, params, state, tokens, (), context, tdir, args.steps)
+                    events, state = trace_steps(compiled, run_params, state, tokens, (), context, tdir,
+                                                args.steps)
             except Exception as e:  # noqa: BLE001  (one failing variant must not lose the others)
                 log(f"{tag}: failed: {type(e).__name__}: {str(e)[:500]}")
                 md += [f"## {tag}: failed: {type(e).__name__}: {str(e)[:300]}", ""]
