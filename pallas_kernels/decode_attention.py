@@ -44,7 +44,10 @@ NEG_INF = float("-inf")
 
 BLOCK_K = 64  # keys per step
 NUM_WARPS, NUM_STAGES = 4, 3
-TARGET_PROGRAMS = 264  # full layers: enough (b, kv, split) programs for 2 waves over the H200's 132 SMs
+# Full layers: at most this many (b, kv, split) programs, one wave at 2 programs per SM on the H200's 132 SMs. Run O
+# (docs/BENCHMARKS.md), 100K at B = 1: 64 splits (256 programs) 52.7 us per layer, 128 splits (512 programs, two
+# waves) 69.6 us.
+TARGET_PROGRAMS = 264
 MAX_SPLITS = 128
 MIN_CHUNK = 256  # keys per split at least: short contexts use fewer splits (fewer partials written and combined)
 # Fold the split partials inside the attention kernel, in the program that arrives last at a per-(sequence, KV
@@ -57,6 +60,12 @@ COMBINE_IN_KERNEL = True
 # two 64-key blocks per (sequence, KV head) instead of one program walking 9 blocks serially (17.9 us per layer on
 # the H200 at one split: the loop is latency-bound, docs/BENCHMARKS.md).
 RING_SPLITS = 8
+# Ring splits of one BLOCK_K block each load that block into registers before the query (RING_PRELOAD), so the two
+# loads' latencies overlap; the slots past RING_SPLITS blocks (Flint: 513 = 8 x 64 + 1), at most MAX_EXTRA_SLOTS of
+# them, split 0 reads one by one. Splits of several blocks loop over them instead (loads pipelined through shared
+# memory): preloading two blocks in registers spilled (run O: 17.1 us per layer against 14.8 looping, run G).
+RING_PRELOAD = True
+MAX_EXTRA_SLOTS = 4
 # The last-arriving program folds at most this many splits (FOLD_VALUES below per load); more splits (full layers at
 # long contexts: 128 at B = 1) go to the `combine` kernel, which folds them in parallel over (sequence, head)
 # programs: one program folding 128 splits cost 113 us per layer at 100K on the H200 (docs/BENCHMARKS.md).
@@ -70,9 +79,22 @@ def _pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def _load_ring_row(k_ref, v_ref, kpos_ref, b, kv, slot: int, read, dh: int, D: int):
+    """One ring slot (static index) where `read` (a scalar condition) holds: (position [1], K halves [dh], V [D]);
+    position -1 and zeros otherwise."""
+    def vec(n):  # the condition as a vector (the Triton lowering wants masks of the operand's shape)
+        return (jnp.zeros((n,), jnp.int32) + read.astype(jnp.int32)) > 0
+    kp = plgpu.load(kpos_ref.at[b, pl.ds(slot, 1)], mask=vec(1), other=-1)
+    slot = jnp.asarray(slot, jnp.int32)  # a traced index (the load's indexer refuses a Python int beside slices)
+    kr1 = plgpu.load(k_ref.at[b, kv, slot, pl.ds(0, dh)], mask=vec(dh), other=0)
+    kr2 = plgpu.load(k_ref.at[b, kv, slot, pl.ds(dh, dh)], mask=vec(dh), other=0)
+    vr = plgpu.load(v_ref.at[b, kv, slot, :], mask=vec(D), other=0)
+    return kp, kr1, kr2, vr
+
+
 def _load_ring_block(k_ref, v_ref, kpos_ref, b, kv, t0, active, n_slots: int, dh: int):
-    """One BLOCK_K block of a ring at static-offset t0 (+ the split's start): (positions, K halves, V). Slots
-    past the ring, and every slot of an inactive row, are not read (position -1, zeros)."""
+    """One BLOCK_K block of a ring from slot t0: (positions, K halves, V). Slots past the ring, and every slot of
+    an inactive row, are not read (position -1, zeros)."""
     idx = t0 + jnp.arange(BLOCK_K)
     ok = (idx < n_slots) & active
     kp = plgpu.load(kpos_ref.at[b, pl.ds(t0, BLOCK_K)], mask=ok, other=-1)
@@ -85,18 +107,29 @@ def _load_ring_block(k_ref, v_ref, kpos_ref, b, kv, t0, active, n_slots: int, dh
 
 def default_splits(batch: int, kv_heads: int, sliding: bool) -> int:
     """Splits of the key range per (sequence, KV head). Sliding layers: RING_SPLITS with the in-kernel combine,
-    else one program each (a split ring would need the combine kernel). Full layers: a power of two giving
-    ~TARGET_PROGRAMS programs."""
+    else one program each (a split ring would need the combine kernel). Full layers: the largest power of two
+    that keeps the programs within TARGET_PROGRAMS (one wave)."""
     if sliding:
         return RING_SPLITS if COMBINE_IN_KERNEL else 1
-    want = max(1, -(-TARGET_PROGRAMS // (batch * kv_heads)))
-    return min(MAX_SPLITS, 1 << (want - 1).bit_length())
+    fit = max(1, TARGET_PROGRAMS // (batch * kv_heads))
+    return min(MAX_SPLITS, 1 << (fit.bit_length() - 1))
 
 
 def ring_chunk(n_slots: int, splits: int) -> int:
     """Ring slots per split (static): whole BLOCK_K blocks."""
     per_split = -(-n_slots // splits)
     return -(-per_split // BLOCK_K) * BLOCK_K
+
+
+def ring_geometry(n_slots: int, splits: int) -> tuple[int, int, bool]:
+    """(chunk, extra, preload): ring slots per split (whole BLOCK_K blocks), the slots past splits * chunk that
+    split 0 reads one by one, and whether each split preloads its single block (RING_PRELOAD)."""
+    if RING_PRELOAD:
+        chunk = BLOCK_K * max(1, n_slots // (splits * BLOCK_K))
+        extra = max(0, n_slots - splits * chunk)
+        if chunk == BLOCK_K and extra <= MAX_EXTRA_SLOTS:
+            return chunk, extra, True
+    return ring_chunk(n_slots, splits), 0, False
 
 
 def split_geometry(pos, active, *, fused: bool, splits: int, min_chunk: int):
@@ -131,12 +164,13 @@ def _attn_kernel(*refs, mode, ring, sliding, B, Hq, KV, G, D, window, n_slots, s
     active = act_ref[b] != 0
     idx0 = jnp.arange(BLOCK_K)
     if ring:
-        # A ring split is a static number of blocks: issue all its key/value loads first, so their latency
-        # overlaps the query's loads and finishing (one memory round trip instead of one per block).
-        chunk = ring_chunk(n_slots, splits)
+        chunk, extra, preload = ring_geometry(n_slots, splits)
         lo = s * chunk
-        ring_tiles = [_load_ring_block(k_ref, v_ref, kpos_ref, b, kv, lo + j * BLOCK_K, active, n_slots, dh)
-                      for j in range(chunk // BLOCK_K)]
+        if preload:  # issued before the query's loads: the two latencies overlap
+            ring_tile = _load_ring_block(k_ref, v_ref, kpos_ref, b, kv, lo, active, n_slots, dh)
+            first_split = active & (s == 0)
+            extra_rows = [_load_ring_row(k_ref, v_ref, kpos_ref, b, kv, splits * chunk + e, first_split, dh, D)
+                          for e in range(extra)]
     if mode == "fused":
         q1, q2, k1, k2, v_new = load_raw_heads(qkv_ref, b, kv, Hq=Hq, KV=KV, G=G, D=D)
         q1, q2 = finish_heads(q1, q2, qn_ref, invf_ref, pos, eps=eps, sliding=sliding)
@@ -180,14 +214,32 @@ def _attn_kernel(*refs, mode, ring, sliding, B, Hq, KV, G, D, window, n_slots, s
         pv = plgpu.dot(p, vb.astype(F32), allow_tf32=True)
         return m_new, l * alpha + jnp.sum(p, axis=1), acc * alpha[:, None] + pv
 
-    if ring:  # static split of the W slots (loaded above); every split stores its partials
+    def ring_ok(kp):
+        newest = kp < q_pos if mode == "fused" else kp <= q_pos
+        return (kp >= 0) & newest & (q_pos - kp < window)
+
+    if ring and preload:  # one block per split (loaded above), split 0 also the extra slots, row by row
         n_active = splits
-        carry = (m, l, acc)
-        for kp, kb1, kb2, vb in ring_tiles:
-            newest = kp < q_pos if mode == "fused" else kp <= q_pos
-            ok = (kp >= 0) & newest & (q_pos - kp < window)
-            carry = attend_block(carry, kb1, kb2, vb, ok)
-        m, l, acc = carry
+        m, l, acc = attend_block((m, l, acc), *ring_tile[1:], ring_ok(ring_tile[0]))
+        for kp, kr1, kr2, vr in extra_rows:
+            sc = (jnp.sum(q1.astype(F32) * kr1.astype(F32)[None, :], axis=1)
+                  + jnp.sum(q2.astype(F32) * kr2.astype(F32)[None, :], axis=1)) * inv_sqrt_d  # [ROWS]
+            sc = jnp.where(jnp.broadcast_to(ring_ok(kp), (ROWS,)), sc, NEG_INF)
+            m_new = jnp.maximum(m, sc)
+            m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
+            alpha, p = jnp.exp(m - m_safe), jnp.exp(sc - m_safe)
+            m, l = m_new, l * alpha + p
+            acc = acc * alpha[:, None] + p[:, None] * vr.astype(F32)[None, :]
+    elif ring:  # static split of the W slots, a loop over its blocks; every split stores its partials
+        n_active = splits
+        n_blocks = jnp.where(active, pl.cdiv(jnp.maximum(jnp.minimum(n_slots, lo + chunk) - lo, 0), BLOCK_K), 0)
+
+        def body(i, carry):
+            kp, kb1, kb2, vb = _load_ring_block(k_ref, v_ref, kpos_ref, b, kv, lo + i * BLOCK_K, active, n_slots,
+                                                dh)
+            return attend_block(carry, kb1, kb2, vb, ring_ok(kp))
+
+        m, l, acc = jax.lax.fori_loop(0, n_blocks, body, (m, l, acc))
     else:
         length, chunk, n_active = split_geometry(pos, active, fused=mode == "fused", splits=splits,
                                                  min_chunk=min_chunk)

@@ -57,6 +57,8 @@ def _variants():
         # L2): what the weight kernels would cost if their weights were prefetched into L2
         "hot_weights": [],
         "ring_splits4": [(DA, "RING_SPLITS", 4)],
+        "ring_loop": [(DA, "RING_PRELOAD", False)],  # splits of two blocks, a loop over them (run G's kernel)
+        "attn_two_waves": [(DA, "TARGET_PROGRAMS", 528)],  # full layers: 128 splits at B = 1 (before run O)
         "combine_kernel": [(DA, "COMBINE_IN_KERNEL", False)],
         "topk_per_program": [(ME, "ROUTE_IN_ROUTER", False)],  # the default since run G
         "topk_in_router": [(ME, "ROUTE_IN_ROUTER", True)],

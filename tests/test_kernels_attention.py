@@ -171,8 +171,9 @@ def test_decode_attention_full(splits, min_chunk, sink):
 
 def test_default_splits():
     assert DA.default_splits(1, 4, sliding=True) == (DA.RING_SPLITS if DA.COMBINE_IN_KERNEL else 1)
-    assert DA.default_splits(1, 4, sliding=False) == 128  # 264 programs wanted -> 66 splits -> power of two
-    assert DA.default_splits(8, 4, sliding=False) == 16
+    assert DA.default_splits(1, 4, sliding=False) == 64  # at most 264 programs (one wave): 66 -> power of two 64
+    assert DA.default_splits(8, 4, sliding=False) == 8
+    assert DA.default_splits(64, 8, sliding=False) == 1
 
 
 # ---- the whole block against model.attention_block ---------------------------------------------------------------
@@ -275,15 +276,25 @@ def test_combine_modes(monkeypatch, in_kernel, fold):
     assert ("decode_attention_combine" in text) != in_kernel
 
 
-@pytest.mark.parametrize("weights,ring_splits", [("bf16", 8), ("nvfp4", 8), ("nvfp4", 16)])
-def test_attention_block_decode_split_ring(monkeypatch, weights, ring_splits):
+@pytest.mark.parametrize("weights,ring_splits,window,block_k,preload", [
+    ("bf16", 8, 200, 64, True), ("nvfp4", 8, 200, 64, True), ("nvfp4", 16, 200, 64, True),
+    ("nvfp4", 8, 200, 64, False),  # the loop over blocks
+    ("bf16", 8, 131, 16, True),  # 8 blocks of 16 and 3 extra slots, read one by one by split 0
+    ("nvfp4", 8, 137, 16, True),  # 9 extra slots: too many, so splits of 2 blocks and the loop
+])
+def test_attention_block_decode_split_ring(monkeypatch, weights, ring_splits, window, block_k, preload):
     """A sliding layer whose ring is split over several programs (200 slots in chunks of 64: four hold keys, the
-    rest fold as empty), fused finish + write + attend, two steps, against the reference."""
+    rest fold as empty; or Flint's layout scaled down: a block per split plus a few extra slots), fused finish +
+    write + attend, two steps, against the reference."""
     monkeypatch.setattr(DA, "RING_SPLITS", ring_splits)
+    monkeypatch.setattr(DA, "BLOCK_K", block_k)
+    monkeypatch.setattr(DA, "RING_PRELOAD", preload)
+    chunk, extra, pre = DA.ring_geometry(window, ring_splits)
+    assert pre == (preload and window != 137) and extra == (3 if window == 131 else 0)
     block_k = _jit(DA.attention_block_decode, "cfg", "sliding", "splits", "min_chunk")  # a fresh trace
-    cfg = CFG.replace(sliding_window=200)
+    cfg = CFG.replace(sliding_window=window)
     layer = params(weights).layers[0]
-    lengths = [0, 64, 199, 200, 777]
+    lengths = [0, 64, window - 1, window, 777]
     B = len(lengths)
     cache = cache_ref = ring_cache(jax.random.key(30), [n - 1 for n in lengths], cfg)
     pos = jnp.asarray(lengths, jnp.int32)
