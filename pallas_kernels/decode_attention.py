@@ -11,12 +11,12 @@ One kernel body, three modes (Pallas, Triton lowering):
 
 Grid (B, KV, splits). A program takes the Hq/KV query heads of one KV head together (rows padded to 16, the
 tensor-core tile) and streams that KV head's keys in blocks of BLOCK_K: sliding layers read the ring (`W` slots,
-masked by the stored positions; one split by default, or static slices of it), full layers split the keys
+masked by the stored positions) in RING_SPLITS static slices (`ring_geometry`), full layers split the keys
 [0, length) into chunks computed from the length at run time (`split_geometry`: lengths are data, one compiled
 kernel for every length up to max_len). With one split the kernel folds in the sink and writes o; with several it
 writes (acc, max, sum) partials, and either the last-arriving split folds them and the sink together
-(COMBINE_IN_KERNEL, for at most MAX_SPLITS_IN_KERNEL splits: the sliding layers' 8) or the `combine` kernel does
-(full layers at B = 1: 128 splits).
+(COMBINE_IN_KERNEL, for at most MAX_SPLITS_IN_KERNEL splits: the sliding layers' 8, full layers at B >= 4) or the
+`combine` kernel does (full layers at B = 1: 64 splits).
 
 `attention_block_decode` = qkv_projection + fused attention + output projection with the residual: three kernels
 on a sliding layer, four on a full layer split more than MAX_SPLITS_IN_KERNEL ways (the combine).
@@ -56,9 +56,9 @@ MIN_CHUNK = 256  # keys per split at least: short contexts use fewer splits (few
 # then a CTA barrier, then one acq_rel atomic per program; the last program reads the partials with volatile loads.
 # Interpret mode cannot show ordering races: the compiled tests on the GPU (scripts/gpu_session.sh) check it.
 COMBINE_IN_KERNEL = True
-# Splits of a sliding layer's ring (513 slots on Flint) when the combine is in the kernel: 8 programs of at most
-# two 64-key blocks per (sequence, KV head) instead of one program walking 9 blocks serially (17.9 us per layer on
-# the H200 at one split: the loop is latency-bound, docs/BENCHMARKS.md).
+# Splits of a sliding layer's ring (513 slots on Flint) when the combine is in the kernel: 8 programs per (sequence,
+# KV head) instead of one program walking 9 blocks serially (17.9 us per layer on the H200 at one split: the loop is
+# latency-bound, docs/BENCHMARKS.md).
 RING_SPLITS = 8
 # Ring splits of one BLOCK_K block each load that block into registers before the query (RING_PRELOAD), so the two
 # loads' latencies overlap; the slots past RING_SPLITS blocks (Flint: 513 = 8 x 64 + 1), at most MAX_EXTRA_SLOTS of
@@ -67,7 +67,7 @@ RING_SPLITS = 8
 RING_PRELOAD = True
 MAX_EXTRA_SLOTS = 4
 # The last-arriving program folds at most this many splits (FOLD_VALUES below per load); more splits (full layers at
-# long contexts: 128 at B = 1) go to the `combine` kernel, which folds them in parallel over (sequence, head)
+# long contexts: 64 at B = 1) go to the `combine` kernel, which folds them in parallel over (sequence, head)
 # programs: one program folding 128 splits cost 113 us per layer at 100K on the H200 (docs/BENCHMARKS.md).
 MAX_SPLITS_IN_KERNEL = 16
 # The fold loads the partials of as many splits at once as keep [heads, splits, D] within FOLD_VALUES f32 values
