@@ -395,6 +395,9 @@ def write_plot(results: dict, path: str) -> None:
     except ImportError:
         log("matplotlib not installed: no plot")
         return
+    if not any(p["batch"] == 1 for p in results["points"]):
+        log("no batch-1 points: no plot (it shows batch-1 latency against context)")
+        return
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for weights in sorted({p["weights"] for p in results["points"]}):
         for impl in sorted({p["impl"] for p in results["points"]}):
