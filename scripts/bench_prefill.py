@@ -12,7 +12,8 @@ written (JSON + Markdown) after every section, so a run cut short still leaves w
           kernels (BF16 and NVFP4, the block table's defaults) and our tiled plain-JAX reference
   prefill per weight format (NVFP4, then BF16; parameters initialised on the device, leaf by leaf under jax.jit,
           and freed before the next format): an 8,192-token prompt at batch 1 with the kernels in one chunk (the
-          headline), then in chunks of --chunk, then the reference blocks on the one-chunk prompt
+          headline; with --profile also traced: device time by part, top kernels), then in chunks of --chunk, then
+          the reference blocks on the one-chunk prompt
           (model.attention_block + the MoE on the tiled reference GEMMs; layers.mlp_block's ragged_dot is measured
           in `moe` only: on the GPU it expands to dense matmuls over all 256 experts)
   ttft    (first format only) a 100K-token prompt in chunks of 8,192: wall time to the first token's logits, and its
@@ -48,6 +49,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from flint_jax import device_trace  # noqa: E402
 from flint_jax import layers as L  # noqa: E402
 from flint_jax import model as M  # noqa: E402
 from flint_jax import nvfp4  # noqa: E402
@@ -593,6 +595,38 @@ def section_attn(run: Run, cfg: FlintConfig, T: int, long_ctx: int, tiny: bool, 
         run.save()
 
 
+def kernel_category(name: str) -> str:
+    """The part of a prefill a GPU kernel belongs to, from its name (Pallas kernels are named by pallas_call; XLA's
+    GEMMs come from cuBLAS/CUTLASS)."""
+    n = name.lower()
+    if "prefill_attention" in n:
+        return "attention (Pallas)"
+    if "grouped_" in n:
+        return "MoE grouped GEMMs (Pallas)"
+    if any(k in n for k in ("gemm", "cutlass", "xmma", "cublas", "matmul")):
+        return "dense GEMMs (XLA: QKV, O, shared expert, dense MLP, LM head)"
+    return "other XLA (norms, RoPE, routing, sort, gathers, cache writes, copies)"
+
+
+def profile_prefill(runner, params, tokens: np.ndarray, chunk: int, out_dir: str) -> dict | None:
+    """One prefill under the profiler: its device span, kernel time by part (kernel_category) and the top kernels.
+    None where the trace has no device events (CPU)."""
+    N = tokens.shape[1]
+    events = device_trace.trace_kernels(lambda: runner.prefill(params, tokens, chunk, N), out_dir)
+    if not events:
+        return None
+    summary = device_trace.summarize(events, 1)
+    parts: dict = {}
+    for r in summary["rows"]:
+        c = kernel_category(r["name"])
+        parts[c] = parts.get(c, 0.0) + r["us_per_step"] / 1e3
+    return {"device_span_ms": device_trace.device_ms(events, 1), "kernel_ms": summary["kernel_us_per_step"] / 1e3,
+            "launches": int(summary["launches_per_step"]),
+            "parts_ms": dict(sorted(parts.items(), key=lambda kv: -kv[1])),
+            "top": [{"name": r["name"][:90], "count": int(r["per_step"]), "ms": r["us_per_step"] / 1e3}
+                    for r in summary["rows"][:15]]}
+
+
 def section_prefill(run: Run, cfg: FlintConfig, kind: str, params, tokens: np.ndarray, chunk: int, tiny: bool,
                     reserve: float, which: str) -> None:
     """which="headline": the kernels on the one-chunk prompt; "extras": the kernels in chunks, and the reference
@@ -620,6 +654,17 @@ def section_prefill(run: Run, cfg: FlintConfig, kind: str, params, tokens: np.nd
                 f"(first call {first:.1f} s)")
         except Exception as e:  # noqa: BLE001
             run.error(f"prefill {kind} {impl} {label}", e)
+            continue
+        if run.args.profile and impl == "kernels" and run.allows(need + reserve, f"profile {kind} {label}"):
+            try:
+                prof = profile_prefill(runner, params, tokens, c, os.path.join(run.args.out, f"trace_{kind}"))
+                res[f"profile, {label}"] = prof if prof is not None else {"skipped": "no device events (CPU)"}
+                if prof is not None:
+                    log(f"profile {kind} {label}: {prof['device_span_ms']:.1f} ms on the device, "
+                        f"{prof['launches']} kernels; " + ", ".join(f"{k.split(' (')[0]} {v:.1f} ms"
+                                                                      for k, v in prof["parts_ms"].items()))
+            except Exception as e:  # noqa: BLE001
+                run.error(f"profile {kind} {label}", e)
         run.save()
 
 
@@ -706,13 +751,24 @@ def _markdown(r: dict) -> str:
                   "| weights | run | ms | TFLOP/s |", "|---|---|---|---|"]
         for kind, d in r["prefill"].items():
             for k, v in d.items():
-                if not isinstance(v, dict) or k == "flops":
+                if not isinstance(v, dict) or k == "flops" or k.startswith("profile"):
                     continue
                 if "ms" in v:
                     lines.append(f"| {kind} | {k} | {v['ms']:.1f} | {v['tflops']:.1f} |")
                 else:
                     lines.append(f"| {kind} | {k} | {v.get('skipped', '')} | |")
         lines.append("")
+    for kind, d in r.get("prefill", {}).items():
+        for k, v in d.items():
+            if not (k.startswith("profile") and isinstance(v, dict) and "parts_ms" in v):
+                continue
+            lines += [f"## Where the device time goes: {kind}, {k[len('profile, '):]}", "",
+                      f"Device span {v['device_span_ms']:.1f} ms, {v['kernel_ms']:.1f} ms of kernel time in "
+                      f"{v['launches']} kernels (one traced prefill).", "", "| part | ms | share |", "|---|---|---|"]
+            lines += [f"| {p} | {ms:.1f} | {ms / v['kernel_ms']:.1%} |" for p, ms in v["parts_ms"].items()]
+            lines += ["", "| kernel | launches | ms |", "|---|---|---|"]
+            lines += [f"| `{t['name']}` | {t['count']} | {t['ms']:.2f} |" for t in v["top"]]
+            lines.append("")
     if r.get("ttft"):
         lines += ["## Time to first token, long prompt", ""]
         for kind, d in r["ttft"].items():
@@ -743,6 +799,8 @@ def main(argv=None) -> int:
     ap.add_argument("--long", type=int, default=None, help="TTFT prompt length (default 100000)")
     ap.add_argument("--weights", default="nvfp4,bf16", help="weight formats to run, in order")
     ap.add_argument("--no-sweep", action="store_true", help="skip the block sweeps (table defaults)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also trace the one-chunk prefill with the kernels: device time by part and top kernels")
     ap.add_argument("--skip", default="",
                     help="comma list of sections to skip: moe,attn,prefill,ttft,extras (chunked and reference runs), "
                          "jax (jax's own MoE options)")
