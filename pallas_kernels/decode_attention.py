@@ -37,6 +37,7 @@ from flint_jax import layers as L
 from flint_jax.config import FlintConfig
 from flint_jax.pallas_kernels.attention_prologue import (ROWS, check_cache, finish_heads, load_raw_heads,
                                                          qkv_projection, rope_tables, store_kv)
+from flint_jax.pallas_kernels.weight_tiles import pow2_rows
 from flint_jax.state import FullCache, RingCache
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -75,20 +76,20 @@ MAX_SPLITS_IN_KERNEL = 16
 FOLD_VALUES = 8192
 
 
-def _pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
+def _as_vector(cond, n: int):
+    """A scalar condition as an [n] bool vector: the Triton lowering wants masks and selects of the operand's
+    shape."""
+    return (jnp.zeros((n,), jnp.int32) + cond.astype(jnp.int32)) > 0
 
 
 def _load_ring_row(k_ref, v_ref, kpos_ref, b, kv, slot: int, read, dh: int, D: int):
     """One ring slot (static index) where `read` (a scalar condition) holds: (position [1], K halves [dh], V [D]);
     position -1 and zeros otherwise."""
-    def vec(n):  # the condition as a vector (the Triton lowering wants masks of the operand's shape)
-        return (jnp.zeros((n,), jnp.int32) + read.astype(jnp.int32)) > 0
-    kp = plgpu.load(kpos_ref.at[b, pl.ds(slot, 1)], mask=vec(1), other=-1)
+    kp = plgpu.load(kpos_ref.at[b, pl.ds(slot, 1)], mask=_as_vector(read, 1), other=-1)
     slot = jnp.asarray(slot, jnp.int32)  # a traced index (the load's indexer refuses a Python int beside slices)
-    kr1 = plgpu.load(k_ref.at[b, kv, slot, pl.ds(0, dh)], mask=vec(dh), other=0)
-    kr2 = plgpu.load(k_ref.at[b, kv, slot, pl.ds(dh, dh)], mask=vec(dh), other=0)
-    vr = plgpu.load(v_ref.at[b, kv, slot, :], mask=vec(D), other=0)
+    kr1 = plgpu.load(k_ref.at[b, kv, slot, pl.ds(0, dh)], mask=_as_vector(read, dh), other=0)
+    kr2 = plgpu.load(k_ref.at[b, kv, slot, pl.ds(dh, dh)], mask=_as_vector(read, dh), other=0)
+    vr = plgpu.load(v_ref.at[b, kv, slot, :], mask=_as_vector(read, D), other=0)
     return kp, kr1, kr2, vr
 
 
@@ -162,7 +163,6 @@ def _attn_kernel(*refs, mode, ring, sliding, B, Hq, KV, G, D, window, n_slots, s
     kpos_ref = cache_in[2] if ring else None
     pos = pos_ref[b]
     active = act_ref[b] != 0
-    idx0 = jnp.arange(BLOCK_K)
     if ring:
         chunk, extra, preload = ring_geometry(n_slots, splits)
         lo = s * chunk
@@ -190,8 +190,7 @@ def _attn_kernel(*refs, mode, ring, sliding, B, Hq, KV, G, D, window, n_slots, s
     if mode == "fused":
         k1f, k2f = k1.astype(F32), k2.astype(F32)
         s_new = (jnp.sum(q1.astype(F32) * k1f, axis=1) + jnp.sum(q2.astype(F32) * k2f, axis=1)) * inv_sqrt_d
-        # Vector conditions: the Triton lowering's select wants operands of the condition's shape.
-        take = (jnp.zeros((ROWS,), jnp.int32) + (active & (s == 0)).astype(jnp.int32)) > 0
+        take = _as_vector(active & (s == 0), ROWS)
         m = jnp.where(take, s_new, NEG_INF)
         l = jnp.where(take, 1.0, 0.0)
         acc = jnp.where(take[:, None], jnp.broadcast_to(v_new.astype(F32)[None, :], (ROWS, D)), 0.0)
@@ -246,6 +245,7 @@ def _attn_kernel(*refs, mode, ring, sliding, B, Hq, KV, G, D, window, n_slots, s
         lo = s * chunk
         hi = jnp.minimum(length, lo + chunk)
         n_blocks = pl.cdiv(jnp.maximum(hi - lo, 0), BLOCK_K)
+        idx0 = jnp.arange(BLOCK_K)
 
         def body(i, carry):
             t0 = lo + i * BLOCK_K
@@ -287,7 +287,7 @@ def _attn_kernel(*refs, mode, ring, sliding, B, Hq, KV, G, D, window, n_slots, s
                 # Only the G real heads (padded to a power of two), not the ROWS of the dot tiles: so the whole
                 # fold (every split's acc, m and l) is one round of loads when splits * FR * D fits FOLD_VALUES.
                 # Volatile loads: the partials were written by other SMs during this launch (not via L1).
-                FR = _pow2(G)
+                FR = pow2_rows(G)
                 fheads = pl.ds(kv * G, FR)
                 fmask = (jnp.arange(FR) < G)[:, None]
                 C = max(1, min(splits, FOLD_VALUES // (FR * D)))

@@ -73,6 +73,14 @@ DEFAULT_BLOCK = Block()
 GPU_PV = "bf16"  # P @ V on the GPU when Block.pv is None (see the module docstring)
 
 
+def resolve_pv(block: Block | None, interpret: bool) -> str:
+    """The P @ V mode a kernel call runs with: Block.pv, else "f32" in interpret mode and GPU_PV compiled."""
+    pv = (block.pv if block is not None else None) or ("f32" if interpret else GPU_PV)
+    if pv not in ("f32", "bf16x2", "bf16"):
+        raise ValueError(f"Block.pv must be 'f32', 'bf16x2' or 'bf16', got {pv!r}")
+    return pv
+
+
 def _bq(block: Block, G: int) -> int:
     if block.rows % G:
         raise ValueError(f"block rows {block.rows} must be a multiple of the query heads per KV head ({G})")
@@ -215,9 +223,7 @@ def _launch(mode, q, q_pos, sinks, key_ops, *, S, W, window, block, interpret):
     B, T, Hq, D = q.shape
     KV = key_ops[1].shape[1]
     G = Hq // KV
-    pv_mode = block.pv or ("f32" if interpret else GPU_PV)
-    if pv_mode not in ("f32", "bf16x2", "bf16"):
-        raise ValueError(f"Block.pv must be 'f32', 'bf16x2' or 'bf16', got {pv_mode!r}")
+    pv_mode = resolve_pv(block, interpret)
     kernel = functools.partial(_kernel, mode=mode, G=G, BQ=_bq(block, G), BK=block.bk, T=T, S=S, W=W,
                                window=window, sqrt_d=math.sqrt(D), pv_mode=pv_mode)
     operands = [q, q_pos, sinks.astype(F32), *key_ops]

@@ -397,7 +397,7 @@ def section_check(run: Run, cfg: FlintConfig, tiny: bool) -> None:
             # The reference's P @ V is an FP32 einsum: keep XLA from running it in TF32 on the GPU.
             with jax.default_matmul_precision("highest"):
                 want = jax.jit(ref)(*args)
-            bf16_p = (pa.DEFAULT_BLOCK.pv or ("f32" if interpret else pa.GPU_PV)) == "bf16"
+            bf16_p = pa.resolve_pv(None, interpret) == "bf16"
             value_max = float(jnp.max(jnp.abs(jnp.concatenate([v.reshape(-1), hv.reshape(-1)]).astype(F32))))
             st = bf16_ulp_stats(np.asarray(got, np.float32)[rows_ok].astype(jnp.bfloat16),
                                 np.asarray(want, np.float32)[rows_ok].astype(jnp.bfloat16),

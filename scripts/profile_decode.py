@@ -51,11 +51,9 @@ def _variants():
         "moe_bn16": [(ME, "GATE_UP_BLOCK", (16, 512, 4, 3)), (ME, "DOWN_BLOCK", (16, 512, 4, 1))],
         "attn_bk128": [(DA, "BLOCK_K", 128)],
         "attn_warps8": [(DA, "NUM_WARPS", 8)],
-        "attn_splits64": [(DA, "MAX_SPLITS", 64)],  # one wave of 256 programs at B = 1
+        "attn_splits64": [(DA, "MAX_SPLITS", 64)],  # run O's variant; the default since (one wave at B = 1)
         "attn_stages4": [(DA, "NUM_STAGES", 4)],
-        # diagnostic: every MoE layer uses the same weights (one layer's QKV, O, router and shared expert stay in
-        # L2): what the weight kernels would cost if their weights were prefetched into L2
-        "hot_weights": [],
+        "hot_weights": [],  # no knobs: its parameters differ (PARAM_VARIANTS)
         "ring_splits4": [(DA, "RING_SPLITS", 4)],
         "ring_loop": [(DA, "RING_PRELOAD", False)],  # splits of two blocks, a loop over them (run G's kernel)
         "attn_two_waves": [(DA, "TARGET_PROGRAMS", 528)],  # full layers: 128 splits at B = 1 (before run O)
@@ -77,6 +75,12 @@ def hot_weights(params, cfg: FlintConfig):
     layer's weights (the same buffers, so the same synthetic values each layer)."""
     k = cfg.first_k_dense_replace
     return dataclasses.replace(params, layers=params.layers[:k] + (params.layers[k],) * (len(params.layers) - k))
+
+
+# Variants that change the parameters rather than kernel knobs. hot_weights is a diagnostic: every MoE layer uses the
+# same weights (one layer's QKV, O, router and shared expert stay in L2), i.e. what the weight kernels would cost if
+# their weights were prefetched into L2.
+PARAM_VARIANTS = {"hot_weights": hot_weights}
 
 
 class variant:
@@ -132,7 +136,7 @@ def main(argv=None) -> int:
                     state = random_state(cfg, args.batch, context + 8, context, jax.random.key(2))
                     tokens = jnp.arange(args.batch, dtype=jnp.int32) + 7
                     t = time.time()
-                    run_params = hot_weights(params, cfg) if vname == "hot_weights" else params
+                    run_params = PARAM_VARIANTS[vname](params, cfg) if vname in PARAM_VARIANTS else params
                     compiled = forward.lower(run_params, state, tokens, state.lengths).compile()
                     kernels = count_kernels(compiled)
                     log(f"{tag}: compiled in {time.time() - t:.1f}s, {kernels} kernel-launching ops")

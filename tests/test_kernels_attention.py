@@ -256,7 +256,7 @@ def test_combine_modes(monkeypatch, in_kernel, fold):
     """Both ways of folding the split partials (the last-arriving split, `fold` splits per load, or the
     `combine` kernel) give the reference's results, and the lowering launches `combine` only in the second."""
     monkeypatch.setattr(DA, "COMBINE_IN_KERNEL", in_kernel)
-    monkeypatch.setattr(DA, "FOLD_VALUES", fold * DA._pow2(CFG.q_per_kv) * CFG.head_dim)
+    monkeypatch.setattr(DA, "FOLD_VALUES", fold * DA.pow2_rows(CFG.q_per_kv) * CFG.head_dim)
     attend = _jit(DA.decode_attention, "cfg", "sliding", "splits", "min_chunk")  # a fresh trace sees the flag
     check = functools.partial(check_attention, sink="large", sliding=False, splits=4, min_chunk=128)
     globals_attend = globals()["attend_k"]

@@ -28,8 +28,8 @@ BLOCK = pa.Block(rows=32, bk=16, num_warps=4, num_stages=1)  # 16 tokens x 2 hea
 
 
 def pv_mode(block=None) -> str:
-    """The P @ V mode a kernel call runs with (Block.pv, else interpret mode's "f32" or the GPU's default)."""
-    return (block.pv if block is not None and block.pv else None) or ("f32" if INTERPRET else pa.GPU_PV)
+    """The P @ V mode a kernel call in this run uses (prefill_attention.resolve_pv)."""
+    return pa.resolve_pv(block, INTERPRET)
 
 
 def assert_close(out, ref, rows, values, pv="f32", max_ulp=2, max_frac=0.05):
