@@ -11,13 +11,14 @@ written (JSON + Markdown) after every section, so a run cut short still leaves w
   moe     one MoE layer's expert GEMMs at 8,192 tokens (49,152 (token, expert) pairs, 256 experts): our grouped
           kernels (BF16 and NVFP4, the block table's defaults) and our tiled plain-JAX reference
   prefill per weight format (NVFP4, then BF16; parameters initialised on the device, leaf by leaf under jax.jit,
-          and freed before the next format): an 8,192-token prompt at batch 1 with the kernels in one chunk (the
-          headline; with --profile also traced: device time by part, top kernels), then in chunks of --chunk, then
-          the reference blocks on the one-chunk prompt
+          and freed before the next format): an 8,192-token prompt at batch 1 in one chunk, first the engine's
+          path (the headline: engine.prefill_chunk, the whole chunk one jitted program), then the same kernels as
+          a Python loop over per-layer jitted blocks (with --profile each traced: device time by part, top
+          kernels), then in chunks of --chunk, then the reference blocks on the one-chunk prompt
           (model.attention_block + the MoE on the tiled reference GEMMs; layers.mlp_block's ragged_dot is measured
           in `moe` only: on the GPU it expands to dense matmuls over all 256 experts)
-  ttft    (first format only) a 100K-token prompt in chunks of 8,192: wall time to the first token's logits, and its
-          breakdown by timing the parts separately (each part synchronised)
+  ttft    (first format only) a 100K-token prompt in chunks of 8,192: wall time to the first token on the engine's
+          path (one program per chunk), then a breakdown run that times the parts separately (each part synchronised)
   moe/jax jax's options on the same layer (BF16, gate projection): jax.lax.ragged_dot (default GPU lowering, and
           with jax_ragged_dot_use_gpu_pallas_triton_lowering) and jax.experimental.pallas.ops.gpu.ragged_dot_mgpu
           (BF16 only: it takes one dtype for both operands)
@@ -25,8 +26,10 @@ written (JSON + Markdown) after every section, so a run cut short still leaves w
           and layers.attend where its [T, S] scores fit
   sweeps  other block sizes for the grouped GEMMs and the attention, with whatever budget is left
 
-The layers run as a Python loop over per-layer jitted blocks (one compile per layer kind, not one 49-layer
-program), which keeps compile time inside the budget; the arithmetic is exactly flint_jax.prefill's blocks.
+Apart from the engine-path rows, the layers run as a Python loop over per-layer jitted blocks (one compile per
+layer kind, not one 49-layer program), which keeps compile time inside the budget; the arithmetic is exactly
+flint_jax.prefill's blocks. The loop leaves the device idle while Python dispatches: the traced 8K prefill of
+2026-11-29 (commit 33f1351) ran 183 ms of kernels in a 253 ms device span.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from flint_jax import device_trace  # noqa: E402
+from flint_jax import engine as E  # noqa: E402
 from flint_jax import layers as L  # noqa: E402
 from flint_jax import model as M  # noqa: E402
 from flint_jax import nvfp4  # noqa: E402
@@ -243,6 +247,39 @@ class Runner:
             if lo + chunk >= N:
                 logits = self.head(params.final_norm, params.lm_head, h, n_new)
         return logits
+
+
+class ProgramRunner:
+    """The engine's prefill (the product path): each chunk is one jitted program, `engine.prefill_chunk` (embedding,
+    the 49 layers unrolled with the prefill kernels, LM head at each row's last token, sampling), over a donated
+    state. Compiles the whole chunk program once per chunk shape (slower to start than `Runner`); no Python runs
+    between layers, so the device never waits on the host inside a chunk."""
+
+    def __init__(self, cfg: FlintConfig):
+        self.cfg = cfg
+        self.settings = (jnp.ones((1,), jnp.float32), jnp.full((1,), 20, jnp.int32), jnp.full((1,), 0.95, jnp.float32))
+        self.keys = jax.random.split(jax.random.key(0), 1)
+
+    def chunk_program(self, params, state: KVState, tokens, n_new):
+        return E.prefill_chunk(params, state, tokens, n_new, self.keys, *self.settings, cfg=self.cfg, impl="pallas")
+
+    def prefill(self, params, tokens: np.ndarray, chunk: int, max_len: int, on_chunk=None):
+        """tokens [1, N] in chunks of `chunk` (the last one padded); returns the first generated token. on_chunk(c)
+        is called after each chunk has finished (synchronised) with {start, tokens, ms}; returning True stops."""
+        N = tokens.shape[1]
+        state = init_state(self.cfg, 1, max_len)
+        nxt = None
+        for lo in range(0, N, chunk):
+            t = time.perf_counter()
+            part = np.zeros((1, chunk), np.int32)
+            n = min(chunk, N - lo)
+            part[0, :n] = tokens[0, lo:lo + n]
+            nxt, state = self.chunk_program(params, state, jnp.asarray(part), jnp.array([n], jnp.int32))
+            if on_chunk is not None:
+                sync(nxt)
+                if on_chunk({"start": lo, "tokens": n, "ms": 1e3 * (time.perf_counter() - t)}) and lo + chunk < N:
+                    return None
+        return nxt
 
 
 class PartsRunner:
@@ -636,15 +673,18 @@ def section_prefill(run: Run, cfg: FlintConfig, kind: str, params, tokens: np.nd
     fl = prefill_flops(cfg, 0, N)
     res["flops"] = fl
     if which == "headline":
-        todo = [("kernels", f"one chunk of {N}", N)]
+        # The engine's path (one program per chunk) is the headline; the per-layer loop beside it shows what the
+        # host costs when Python dispatches each layer's blocks.
+        todo = [("program", f"one chunk of {N}", N), ("kernels", f"one chunk of {N}, per-layer calls", N)]
     else:  # (--tiny: the TTFT run already covers chunking)
         todo = ([] if tiny else [("kernels", f"chunks of {chunk}", chunk)]) + [("reference", f"one chunk of {N}", N)]
     for impl, label, c in todo:
-        # first call (compile) ~13 s + two timed runs on the H200 (run of 2026-11-29: 12-14 s per row)
-        need = (25 if impl == "kernels" else 30) if not tiny else 3
+        # first call (compile) ~13 s + two timed runs on the H200 (run of 2026-11-29: 12-14 s per row); the
+        # whole-chunk program compiles longer (not measured yet: allow a minute)
+        need = {"program": 75, "kernels": 25}.get(impl, 30) if not tiny else 3
         if not run.allows(need + reserve, f"prefill {kind} {impl} {label}"):
             continue
-        runner = Runner(cfg, impl)
+        runner = ProgramRunner(cfg) if impl == "program" else Runner(cfg, impl)
         try:
             first, ms = time_fn(lambda: runner.prefill(params, tokens, c, N), reps=2 if not tiny else 1)
             m = min(ms)
@@ -655,10 +695,10 @@ def section_prefill(run: Run, cfg: FlintConfig, kind: str, params, tokens: np.nd
         except Exception as e:  # noqa: BLE001
             run.error(f"prefill {kind} {impl} {label}", e)
             continue
-        if run.args.profile and impl == "kernels" and run.allows(need + reserve, f"profile {kind} {label}"):
+        if run.args.profile and impl != "reference" and run.allows(10 + reserve, f"profile {kind} {label}"):
             try:
-                prof = profile_prefill(runner, params, tokens, c, os.path.join(run.args.out, f"trace_{kind}"))
-                res[f"profile, {label}"] = prof if prof is not None else {"skipped": "no device events (CPU)"}
+                prof = profile_prefill(runner, params, tokens, c, os.path.join(run.args.out, f"trace_{kind}_{impl}"))
+                res[f"profile, {impl}, {label}"] = prof if prof is not None else {"skipped": "no device events (CPU)"}
                 if prof is not None:
                     log(f"profile {kind} {label}: {prof['device_span_ms']:.1f} ms on the device, "
                         f"{prof['launches']} kernels; " + ", ".join(f"{k.split(' (')[0]} {v:.1f} ms"
@@ -675,8 +715,40 @@ def section_ttft(run: Run, cfg: FlintConfig, kind: str, params, n_tokens: int, c
     max_len = -(-n_tokens // 64) * 64
     fl = prefill_flops(cfg, 0, n_tokens)
     res.update({"tokens": n_tokens, "chunk": chunk, "flops": fl})
-    pr = PartsRunner(cfg, gm_blocks, attn_block)
     n_chunks = -(-n_tokens // chunk)
+    # The engine's path first (each chunk one program): the TTFT a user sees.
+    try:
+        prog = ProgramRunner(cfg)
+        t = time.perf_counter()
+        sync(prog.prefill(params, tokens[:, :chunk], chunk, max_len))
+        res["program_warmup_s"] = time.perf_counter() - t
+        log(f"ttft {kind} (engine program): compiled and warmed up in {res['program_warmup_s']:.1f} s")
+        per_chunk = []
+
+        def on_program_chunk(c):
+            per_chunk.append(c)
+            return run.left() < 3
+        t = time.perf_counter()
+        nxt = prog.prefill(params, tokens, chunk, max_len, on_chunk=on_program_chunk)
+        wall = time.perf_counter() - t
+        if nxt is None:
+            msg = (f"ttft {kind} (engine program): budget ran out after {len(per_chunk)} of {n_chunks} chunks "
+                   f"(partial: see program_per_chunk)")
+            run.results["skipped"].append(msg)
+            log(msg)
+            res.update({"program_partial": True, "program_per_chunk": per_chunk})
+        else:
+            res.update({"program_ttft_s": wall, "program_per_chunk": per_chunk,
+                        "program_tflops": fl["total"] / wall / 1e12})
+            log(f"ttft {kind} {n_tokens} tokens (engine program): {wall:.2f} s; chunks (ms) "
+                + ", ".join(f"{c['ms']:.0f}" for c in per_chunk))
+        del prog
+    except Exception as e:  # noqa: BLE001
+        run.error(f"ttft {kind} (engine program)", e)
+    run.save()
+    if not run.allows(30, f"ttft {kind} breakdown (parts)"):
+        return
+    pr = PartsRunner(cfg, gm_blocks, attn_block)
     try:
         # Warm up (compile) on a short run with the same shapes: the first chunk of the same state size.
         t = time.perf_counter()
@@ -772,9 +844,14 @@ def _markdown(r: dict) -> str:
     if r.get("ttft"):
         lines += ["## Time to first token, long prompt", ""]
         for kind, d in r["ttft"].items():
+            if "program_ttft_s" in d:
+                lines += [f"**{kind}**, the engine's path (each chunk of {d['chunk']} one program): TTFT "
+                          f"{d['program_ttft_s']:.2f} s ({d['program_tflops']:.1f} TFLOP/s). Chunks (ms): "
+                          + ", ".join(f"{c['ms']:.0f}" for c in d["program_per_chunk"]) + ".", ""]
             if "ttft_s" not in d:
                 continue
-            lines += [f"**{kind}**: {d['tokens']} tokens in chunks of {d['chunk']}: TTFT {d['ttft_s']:.2f} s "
+            lines += [f"**{kind}**, breakdown run (each part its own synchronised call): {d['tokens']} tokens in chunks "
+                      f"of {d['chunk']}: TTFT {d['ttft_s']:.2f} s "
                       f"({d['tflops']:.1f} TFLOP/s over {d['flops']['total'] / 1e15:.2f} PFLOP useful).", "",
                       "| part | s | share |", "|---|---|---|"]
             tot = sum(d["parts_s"].values())

@@ -1,0 +1,228 @@
+"""Probe: does programmatic dependent launch (PDL) shorten a chain of weight-streaming kernels inside a jitted step?
+
+docs/DECODE_PATH.md names three questions to settle on the GPU before porting the decode kernels from the Pallas
+Triton lowering to Mosaic GPU (the only Pallas lowering in jax 0.11.2 that emits PDL):
+  1. are Mosaic GPU kernels (`mosaic_gpu` custom calls) captured in XLA's command buffers (CUDA graphs), as the Triton
+     kernels are?
+  2. does the early launch survive inside the graph: does a kernel that starts its weight load before
+     `griddepcontrol_wait` finish a chain sooner than one that waits first?
+  3. what does a Triton kernel next to a PDL kernel do?
+
+The probe runs one jitted program of `--layers` dependent kernels, each streaming its own weight matrix (distinct
+per layer, more bytes than L2 holds, as in the decode step) and combining it with the previous kernel's small output,
+which is the shape of a decode GEMV: big independent weights, a tiny dependent input. Every program of layer l
+reads a [128, 256] BF16 weight tile (64 KiB), sums it, and writes out[i] = x[i] / 2 + 1e-6 * sum for its 128-value
+slice of the previous layer's output. Variants (same arithmetic, same bytes):
+
+  triton          Pallas Triton lowering (today's decode kernels' lowering)
+  mosaic          Mosaic GPU, TMA weight load, no PDL
+  mosaic_pdl      Mosaic GPU, weight TMA issued, then griddepcontrol_wait, then the dependent input
+  mosaic_pdl_late Mosaic GPU with PDL but the weight load after the wait (the overlap only of launch, not of loads)
+  mixed           layers alternate triton and mosaic_pdl (question 3)
+
+For each: device time per chain (profiler trace: first kernel start to last kernel end), wall time per call,
+kernels per chain, whether the compiled HLO puts the kernels inside a command buffer, and the check that the
+chain's result equals the plain-JAX one.
+
+    python scripts/probe_pdl.py --out $OUT/pdl                # on the GPU
+    python scripts/probe_pdl.py --out /tmp/pdl --lower-only   # CPU: lower every variant for CUDA (no run)
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import re
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.experimental.pallas import triton as plt
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from flint_jax import device_trace, pallas_path  # noqa: E402
+
+TILE_ROWS, TILE_COLS, OUT_PER_PROGRAM = 128, 256, 128
+VARIANTS = ("triton", "mosaic", "mosaic_pdl", "mosaic_pdl_late", "mixed")
+
+
+def _register_mosaic_gpu_lowering():
+    """`plgpu.kernel`'s lowering rule lives in a module that only the CUDA plugin imports; lowering for CUDA from a
+    CPU host (--lower-only) needs it imported by hand."""
+    import jax._src.pallas.mosaic_gpu.pallas_call_registration  # noqa: F401
+
+
+def mosaic_layer(programs: int, pdl: bool, weights_before_wait: bool):
+    """One layer as a Mosaic GPU kernel: out[i] = x[i] / 2 + 1e-6 * sum(w tile i)."""
+
+    @functools.partial(
+        plgpu.kernel,
+        out_type=jax.ShapeDtypeStruct((programs * OUT_PER_PROGRAM,), jnp.float32),
+        grid=(programs,), grid_names=("i",),
+        scratch_types=[plgpu.SMEM((TILE_ROWS, TILE_COLS), jnp.bfloat16),
+                       plgpu.SMEM((OUT_PER_PROGRAM,), jnp.float32), plgpu.SMEM((OUT_PER_PROGRAM,), jnp.float32),
+                       plgpu.Barrier(num_arrivals=1), plgpu.Barrier(num_arrivals=1)])
+    def kernel(x_gmem, w_gmem, o_gmem, w_smem, x_smem, o_smem, w_ready, x_ready):
+        i = lax.axis_index("i")
+        load_weights = lambda: plgpu.copy_gmem_to_smem(w_gmem.at[pl.ds(i * TILE_ROWS, TILE_ROWS)], w_smem, w_ready)
+        if not pdl or weights_before_wait:
+            load_weights()
+        if pdl:
+            plgpu.griddepcontrol_wait()          # the previous kernel's writes are visible from here on
+            if not weights_before_wait:
+                load_weights()
+            plgpu.griddepcontrol_launch_dependents()
+        plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(i * OUT_PER_PROGRAM, OUT_PER_PROGRAM)], x_smem, x_ready)
+        plgpu.barrier_wait(w_ready)
+        total = jnp.sum(w_smem[...].astype(jnp.float32))
+        plgpu.barrier_wait(x_ready)
+        o_smem[...] = x_smem[...] * 0.5 + total * 1e-6
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[pl.ds(i * OUT_PER_PROGRAM, OUT_PER_PROGRAM)])
+        plgpu.wait_smem_to_gmem(0)
+
+    return kernel
+
+
+def triton_layer(programs: int):
+    """The same layer in the Pallas Triton lowering."""
+
+    def body(x_ref, w_ref, o_ref):
+        total = jnp.sum(w_ref[...].astype(jnp.float32))
+        o_ref[...] = x_ref[...] * 0.5 + total * 1e-6
+
+    def run(x, w):
+        return pl.pallas_call(
+            body, out_shape=jax.ShapeDtypeStruct((programs * OUT_PER_PROGRAM,), jnp.float32), grid=(programs,),
+            in_specs=[pl.BlockSpec((OUT_PER_PROGRAM,), lambda i: (i,)),
+                      pl.BlockSpec((TILE_ROWS, TILE_COLS), lambda i: (i, 0))],
+            out_specs=pl.BlockSpec((OUT_PER_PROGRAM,), lambda i: (i,)),
+            compiler_params=plt.CompilerParams(num_warps=4, num_stages=1))(x, w)
+
+    return run
+
+
+def reference_layer(x, w):
+    programs = w.shape[0] // TILE_ROWS
+    sums = w.astype(jnp.float32).reshape(programs, -1).sum(axis=1)
+    return x * 0.5 + jnp.repeat(sums, OUT_PER_PROGRAM) * 1e-6
+
+
+def chain(variant: str, programs: int, layers: int):
+    """The jitted program: `layers` dependent kernels, layer l reading weights[l]."""
+    kinds = {
+        "triton": [triton_layer(programs)] * layers,
+        "mosaic": [mosaic_layer(programs, False, True)] * layers,
+        "mosaic_pdl": [mosaic_layer(programs, True, True)] * layers,
+        "mosaic_pdl_late": [mosaic_layer(programs, True, False)] * layers,
+        "mixed": [triton_layer(programs) if l % 2 == 0 else mosaic_layer(programs, True, True) for l in range(layers)],
+        "reference": [reference_layer] * layers,
+    }[variant]
+
+    @jax.jit
+    def run(x, weights):
+        for layer, w in zip(kinds, weights):
+            x = layer(x, w)
+        return x
+
+    return run
+
+
+def command_buffer_report(compiled_text: str) -> dict:
+    """Which kernels the optimised HLO places inside command-buffer computations."""
+    custom_calls = re.findall(r'custom_call_target="([^"]+)"', compiled_text)
+    buffers = re.findall(r"command_buffer", compiled_text)
+    return {"custom_call_targets": sorted(set(custom_calls)), "custom_calls": len(custom_calls),
+            "command_buffer_mentions": len(buffers)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--layers", type=int, default=49)
+    ap.add_argument("--mib", type=float, default=8.0, help="weight MiB per layer (default 8)")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--trace-dir", default="/tmp/probe_pdl_traces", help="profiler traces (large; not under --out)")
+    ap.add_argument("--lower-only", action="store_true", help="lower each variant for CUDA and stop (CPU hosts)")
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    variants = [v for v in args.variants.split(",") if v]
+    bad = [v for v in variants if v not in VARIANTS]
+    if bad:
+        ap.error(f"unknown variant(s) {bad}; known: {', '.join(VARIANTS)}")
+    programs = max(1, int(args.mib * 2**20) // (TILE_ROWS * TILE_COLS * 2))
+    rows = programs * TILE_ROWS
+    x_shape = jax.ShapeDtypeStruct((programs * OUT_PER_PROGRAM,), jnp.float32)
+    w_shapes = [jax.ShapeDtypeStruct((rows, TILE_COLS), jnp.bfloat16)] * args.layers
+    results = {"programs": programs, "weight_bytes_per_layer": rows * TILE_COLS * 2, "layers": args.layers,
+               "variants": {}}
+
+    if args.lower_only:
+        _register_mosaic_gpu_lowering()
+        for v in variants:
+            with pallas_path.lowering_for_gpu():
+                text = chain(v, programs, args.layers).trace(x_shape, w_shapes).lower(
+                    lowering_platforms=("cuda",)).as_text()
+            results["variants"][v] = {"lowered_chars": len(text), "mosaic_calls": text.count("mosaic_gpu"),
+                                      "uses_pdl": text.count("mosaic_gpu.uses_pdl")}
+            print(f"[probe_pdl] {v}: lowered ({len(text)} chars, uses_pdl x{text.count('mosaic_gpu.uses_pdl')})",
+                  flush=True)
+        json.dump(results, open(os.path.join(args.out, "probe_pdl.json"), "w"), indent=1)
+        return 0
+
+    key = jax.random.key(0)
+    weights = [jax.random.normal(jax.random.fold_in(key, l), (rows, TILE_COLS), jnp.bfloat16)
+               for l in range(args.layers)]
+    x0 = jnp.linspace(-1.0, 1.0, programs * OUT_PER_PROGRAM, dtype=jnp.float32)
+    expected = np.asarray(chain("reference", programs, args.layers)(x0, weights))
+    nbytes = args.layers * rows * TILE_COLS * 2
+    for v in variants:
+        t0 = time.perf_counter()
+        try:
+            run = chain(v, programs, args.layers)
+            compiled = run.lower(x0, weights).compile()
+            got = np.asarray(run(x0, weights))
+        except Exception as e:  # one variant failing to build must not hide the others
+            results["variants"][v] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+            print(f"[probe_pdl] {v}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
+            continue
+        err = float(np.max(np.abs(got - expected)))
+        events = device_trace.trace_kernels(
+            lambda: [run(x0, weights) for _ in range(args.steps)][-1], os.path.join(args.trace_dir, f"trace_{v}"))
+        dev = device_trace.device_ms(events, args.steps)
+        walls = []
+        for _ in range(args.steps * 3):
+            t = time.perf_counter()
+            run(x0, weights).block_until_ready()
+            walls.append(time.perf_counter() - t)
+        per_step = len(events) // args.steps if events else None
+        durs = [float(e["dur"]) for e in events]
+        entry = {"max_abs_err": err, "device_ms": dev, "wall_ms": statistics.median(walls) * 1e3,
+                 "kernels_per_chain": per_step, "kernel_us_median": statistics.median(durs) if durs else None,
+                 "us_per_layer": dev * 1e3 / args.layers if dev else None,
+                 "GBps": nbytes / (dev * 1e-3) / 1e9 if dev else None,
+                 "compile_and_check_s": time.perf_counter() - t0,
+                 **command_buffer_report(compiled.as_text())}
+        results["variants"][v] = entry
+        print(f"[probe_pdl] {v}: device {dev} ms ({entry['us_per_layer']} us/layer), wall {entry['wall_ms']:.3f} ms,"
+              f" {per_step} kernels, kernel median {entry['kernel_us_median']} us, err {err:.2e}, "
+              f"command_buffer mentions {entry['command_buffer_mentions']}", flush=True)
+        with open(os.path.join(args.out, f"hlo_{v}.txt"), "w") as f:
+            f.write(compiled.as_text())
+        json.dump(results, open(os.path.join(args.out, "probe_pdl.json"), "w"), indent=1)
+    json.dump(results, open(os.path.join(args.out, "probe_pdl.json"), "w"), indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
