@@ -122,7 +122,10 @@ def group_layout(group_sizes: jax.Array, rows: int, bm: int) -> GroupLayout:
     cum = jnp.cumsum(count)
     V = max_visits(rows, E, bm)
     v = jnp.arange(V, dtype=jnp.int32)
-    e = jnp.minimum(jnp.searchsorted(cum, v, side="right"), E - 1).astype(jnp.int32)
+    # compare_all, not the default binary search: that one is a `while` loop, which XLA on the GPU runs with a
+    # device-to-host copy of the loop condition per iteration; 94 of them in the 8K prefill left the GPU idle for
+    # ~60 ms while the host caught up (2026-11-29). E x V comparisons are nothing next to the GEMMs.
+    e = jnp.minimum(jnp.searchsorted(cum, v, side="right", method="compare_all"), E - 1).astype(jnp.int32)
     live = v < cum[-1]
     lo = starts[e] + (v - (cum[e] - count[e])) * bm
     hi = jnp.minimum(lo + bm, ends[e])
