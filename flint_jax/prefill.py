@@ -61,15 +61,15 @@ def routed_experts(b: jax.Array, moe, ids: jax.Array, num_experts: int, *, inter
     reference=True runs the same steps with the kernels' plain-JAX references (usable on the GPU at 8K tokens)."""
     N, K = ids.shape
     flat = ids.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
+    order = jnp.argsort(flat, stable=True)  # sorted position -> (token, slot) pair
     sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-    x = b[order // K]
     swiglu_fn, matmul_fn = ((gm.ref_grouped_swiglu, gm.ref_grouped_matmul) if reference
                             else (gm.grouped_swiglu, gm.grouped_matmul))
-    act = swiglu_fn(x, moe.gate, moe.up, sizes, interpret=interpret, block=blocks[0])
-    y = matmul_fn(act, moe.down, sizes, interpret=interpret, block=blocks[1])
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(N * K, dtype=order.dtype))
-    return y[inverse].reshape(N, K, -1)
+    # The gate/up kernel reads each pair's token row by index and the down kernel stores each result at its pair's
+    # row: no gathered copy of the activations ([N*K, H]) and no un-permuting gather of the outputs.
+    act = swiglu_fn(b, moe.gate, moe.up, sizes, interpret=interpret, block=blocks[0], rows=order // K)
+    y = matmul_fn(act, moe.down, sizes, interpret=interpret, block=blocks[1], out_rows=order, out_size=N * K)
+    return y.reshape(N, K, -1)
 
 
 def moe_mlp(b: jax.Array, moe, cfg: FlintConfig, *, interpret: bool = False,

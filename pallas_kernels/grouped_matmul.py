@@ -63,8 +63,8 @@ class Block:
 # Starting points for the H200 (Hopper wgmma through Triton; scripts/bench_prefill.py sweeps alternatives). 128-row
 # tiles halve the operand traffic per FLOP against 64-row ones (the tiles are fed from L2) and amortise NVFP4's
 # decode; with Flint's 8K-token prefill an expert gets ~190 rows, so a partial last tile costs ~25% extra work.
-# All four compile for sm_90 with Triton 3.6 without register spills (128 x 128 x 2 FP32 accumulators for SwiGLU
-# use all 255 registers; NVFP4 SwiGLU uses BN = 64 to stay there).
+# All four compiled for sm_90 with Triton 3.6 without register spills at 128 rows (128 x 128 x 2 FP32 accumulators
+# for SwiGLU use all 255 registers; NVFP4 SwiGLU uses BN = 64 to stay there).
 # The down projection with the decoded weight tile as the dot's left operand, 64 weight rows, 4 warps. For the SwiGLU
 # pair the same swap was no faster (1.729 ms at 128 x 128, 3.28 at 128 x 64, against 1.706).
 NVFP4_LINEAR_LHS = Block(128, 64, 64, 4, 3, weights_lhs=True)
@@ -74,7 +74,10 @@ BLOCKS = {
     # NVFP4_LINEAR_LHS: 1.235 -> 0.940 ms per layer at 8K tokens against (128, 128, 64), 8 warps (run L,
     # docs/BENCHMARKS.md); checked against the reference compiled on the H200 in run N.
     ("nvfp4", "linear"): NVFP4_LINEAR_LHS,
-    ("nvfp4", "swiglu"): Block(128, 64, 64, 8, 3),
+    # 256-row tiles: an expert's ~190 rows in one visit, so each weight tile is decoded once (the decode is integer
+    # work on the CUDA cores, this kernel's bottleneck) at the price of ~33% idle tensor-core rows: 1.577 -> 1.016 ms
+    # per layer at 8K tokens (run X, docs/BENCHMARKS.md).
+    ("nvfp4", "swiglu"): Block(256, 64, 64, 8, 3),
 }
 
 
@@ -194,9 +197,15 @@ def _dot_t(x: jax.Array, w: jax.Array) -> jax.Array:
     return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=F32)
 
 
-def _kernel(e_ref, r0_ref, lo_ref, hi_ref, x_ref, *refs, kind, n_w, mode, blk, k):
+def _kernel(e_ref, r0_ref, lo_ref, hi_ref, x_ref, *refs, kind, n_w, mode, blk, k, gather, scatter):
     o_ref = refs[-1]
-    wrefs = refs[:-1]
+    refs = refs[:-1]
+    src_ref = dst_ref = None
+    if scatter:
+        dst_ref, refs = refs[-1], refs[:-1]
+    if gather:
+        src_ref, refs = refs[-1], refs[:-1]
+    wrefs = refs
     per = len(wrefs) // n_w
     ws = [wrefs[i * per:(i + 1) * per] for i in range(n_w)]
     bm, bn, bk = blk.bm, blk.bn, blk.bk
@@ -210,6 +219,7 @@ def _kernel(e_ref, r0_ref, lo_ref, hi_ref, x_ref, *refs, kind, n_w, mode, blk, k
         n0 = pl.multiple_of(j * bn, bn)
         rows = pl.ds(row0, bm)
         cols = pl.ds(n0, bn)
+        x_rows = src_ref[rows] if gather else rows  # gather: the tile's rows of x by index, read in the K loop
         lhs = blk.weights_lhs
         init = tuple(jnp.zeros((bn, bm) if lhs else (bm, bn), F32) for _ in range(n_w))
 
@@ -223,8 +233,8 @@ def _kernel(e_ref, r0_ref, lo_ref, hi_ref, x_ref, *refs, kind, n_w, mode, blk, k
             def body(t, accs):
                 c0 = pl.multiple_of(t * bk, bk)
                 g0 = t * (bk // GROUP)
-                x_lo = x_ref[rows, pl.ds(c0, bk)]
-                x_hi = x_ref[rows, pl.ds(half + c0, bk)]
+                x_lo = x_ref[x_rows, pl.ds(c0, bk)]
+                x_hi = x_ref[x_rows, pl.ds(half + c0, bk)]
                 out = []
                 for (codes, scales, _), acc in zip(ws, accs):
                     cb = codes[e, cols, pl.ds(c0, bk)]
@@ -236,7 +246,7 @@ def _kernel(e_ref, r0_ref, lo_ref, hi_ref, x_ref, *refs, kind, n_w, mode, blk, k
         else:
             def body(t, accs):
                 k0 = pl.multiple_of(t * bk, bk)
-                xt = x_ref[rows, pl.ds(k0, bk)]
+                xt = x_ref[x_rows, pl.ds(k0, bk)]
                 return tuple(acc + prod(xt, w[e, cols, pl.ds(k0, bk)]) for (w,), acc in zip(ws, accs))
             steps = k // bk
 
@@ -251,10 +261,29 @@ def _kernel(e_ref, r0_ref, lo_ref, hi_ref, x_ref, *refs, kind, n_w, mode, blk, k
         out = ys[0] if mode == "linear" else L.swiglu(ys[0], ys[1])
         r = row0 + jnp.arange(bm, dtype=jnp.int32)
         keep = ((r >= lo) & (r < hi))[:, None]
-        plt.store(o_ref.at[rows, cols], out.astype(o_ref.dtype), mask=keep)
+        if scatter:  # array indices in both dimensions (interpret mode's store takes no array-slice mix)
+            dst = o_ref.at[dst_ref[rows][:, None], n0 + jnp.arange(bn, dtype=jnp.int32)[None, :]]
+        else:
+            dst = o_ref.at[rows, cols]
+        plt.store(dst, out.astype(o_ref.dtype), mask=keep)
 
 
-def _call(x, ws, group_sizes, *, mode, layout=None, interpret=False, block=None):
+def _index_operand(idx, name: str, R: int, Rp: int, limit: int) -> jax.Array:
+    idx = jnp.asarray(idx)
+    if idx.ndim != 1 or not jnp.issubdtype(idx.dtype, jnp.integer):
+        raise ValueError(f"{name} must be a 1-D integer array, got {idx.dtype} {idx.shape}")
+    if idx.shape[0] != R:
+        raise ValueError(f"{name} has {idx.shape[0]} entries, expected {R} (one per sorted row)")
+    if limit <= 0:
+        raise ValueError(f"{name}: the array it indexes has no rows")
+    # Padding rows (only when R < bm): read row 0 (gather), or own rows past the output's end (scatter: every
+    # destination distinct, which interpret mode's masked store needs; the wrapper cuts them off).
+    pad = jnp.zeros((Rp - R,), jnp.int32) if name == "rows" else limit + jnp.arange(Rp - R, dtype=jnp.int32)
+    return jnp.concatenate([idx.astype(jnp.int32), pad])
+
+
+def _call(x, ws, group_sizes, *, mode, layout=None, interpret=False, block=None, rows=None, out_rows=None,
+          out_size=None):
     if x.ndim != 2:
         raise ValueError(f"x must be [R, K], got {x.shape}")
     specs = [_weight_operands(w) for w in ws]
@@ -266,22 +295,30 @@ def _call(x, ws, group_sizes, *, mode, layout=None, interpret=False, block=None)
         raise ValueError(f"x has K={x.shape[1]} but the expert weights are [{E}, {N}, {K}]")
     if group_sizes.shape != (E,):
         raise ValueError(f"group_sizes must be [{E}], got {group_sizes.shape}")
-    blk = _fit(block or default_block(kind, mode, x.shape[0] / E), kind, N, K)
-    R = x.shape[0]
+    R = x.shape[0] if rows is None else jnp.shape(rows)[0]  # sorted rows
+    blk = _fit(block or default_block(kind, mode, R / E), kind, N, K)
     Rp = max(R, blk.bm)  # tiles never start before row 0 or end past the last row; only R < bm needs padding
     xp = x.astype(BF16)
-    if Rp != R:
+    if rows is None and Rp != R:
         xp = jnp.pad(xp, ((0, Rp - R), (0, 0)))
+    if out_rows is not None and out_size is None:
+        raise ValueError("out_rows needs out_size (the output's row count)")
     if layout is None:
         layout = group_layout(group_sizes, Rp, blk.bm)
     V = layout.expert.shape[0]
     operands = [layout.expert, layout.row0, layout.lo, layout.hi, xp]
     for s in specs:
         operands.extend(s[4])
-    kernel = functools.partial(_kernel, kind=kind, n_w=len(ws), mode=mode, blk=blk, k=K)
+    if rows is not None:
+        operands.append(_index_operand(rows, "rows", R, Rp, x.shape[0]))
+    if out_rows is not None:
+        operands.append(_index_operand(out_rows, "out_rows", R, Rp, out_size))
+    out_len = Rp if out_rows is None else out_size + (Rp - R)
+    kernel = functools.partial(_kernel, kind=kind, n_w=len(ws), mode=mode, blk=blk, k=K, gather=rows is not None,
+                               scatter=out_rows is not None)
     out = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((Rp, N), BF16),
+        out_shape=jax.ShapeDtypeStruct((out_len, N), BF16),
         grid=(N // blk.bn, V),
         in_specs=[pl.no_block_spec] * len(operands),
         out_specs=pl.no_block_spec,
@@ -289,22 +326,33 @@ def _call(x, ws, group_sizes, *, mode, layout=None, interpret=False, block=None)
         interpret=interpret,
         name=f"grouped_{mode}_{kind}",
     )(*operands)
-    return out if Rp == R else out[:R]
+    keep = R if out_rows is None else out_size
+    return out if out_len == keep else out[:keep]
 
 
 def grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *, interpret: bool = False,
-                   block: Block | None = None, layout: GroupLayout | None = None) -> jax.Array:
+                   block: Block | None = None, layout: GroupLayout | None = None, out_rows: jax.Array | None = None,
+                   out_size: int | None = None) -> jax.Array:
     """`bf16(f32acc(x[r] @ W[e(r)].T) * gs[e(r)])` for rows x [R, K] sorted by expert (group_sizes [E] int32),
     w a stacked [E, N, K] BF16 or NVFP4 weight -> [R, N] BF16. `layout`: a precomputed `group_layout(group_sizes,
-    max(R, block.bm), block.bm)` to share between calls."""
-    return _call(x, [w], group_sizes, mode="linear", layout=layout, interpret=interpret, block=block)
+    max(R, block.bm), block.bm)` to share between calls.
+    out_rows [R] int (with out_size): sorted row r's result is stored at output row out_rows[r] of an
+    [out_size, N] result instead (a scatter in the kernel's store; rows no real row maps to are unspecified). The
+    indices must lie in [0, out_size) (data, not checked)."""
+    return _call(x, [w], group_sizes, mode="linear", layout=layout, interpret=interpret, block=block,
+                 out_rows=out_rows, out_size=out_size)
 
 
 def grouped_swiglu(x: jax.Array, gate, up, group_sizes: jax.Array, *, interpret: bool = False,
-                   block: Block | None = None, layout: GroupLayout | None = None) -> jax.Array:
+                   block: Block | None = None, layout: GroupLayout | None = None,
+                   rows: jax.Array | None = None) -> jax.Array:
     """`layers.swiglu(grouped_matmul(x, gate), grouped_matmul(x, up))` in one kernel: x is read once and both
-    accumulators share the K loop. gate/up [E, I, K] -> [R, I] BF16."""
-    return _call(x, [gate, up], group_sizes, mode="swiglu", layout=layout, interpret=interpret, block=block)
+    accumulators share the K loop. gate/up [E, I, K] -> [R, I] BF16.
+    rows [R] int: sorted row r is x[rows[r]] (a gather in the kernel's loads, so x can be the tokens' activations
+    [S, K] without a gathered copy per (token, expert) pair). The indices must lie in [0, S): they are data, not
+    checked, and the compiled kernel would read outside x."""
+    return _call(x, [gate, up], group_sizes, mode="swiglu", layout=layout, interpret=interpret, block=block,
+                 rows=rows)
 
 
 # ---- references -------------------------------------------------------------------------------------------------
@@ -348,15 +396,20 @@ def _ref_call(x, ws, group_sizes, mode):
 
 
 def ref_grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *, interpret: bool = False,
-                       block: Block | None = None, layout: GroupLayout | None = None) -> jax.Array:
+                       block: Block | None = None, layout: GroupLayout | None = None,
+                       out_rows: jax.Array | None = None, out_size: int | None = None) -> jax.Array:
     """Plain-JAX `grouped_matmul` with the same rounding: tiles of 64 rows, each against its expert's weights,
     REF_BATCH tiles per loop step, so it runs at 8K tokens on the GPU without copying weights per token. Rows past
     sum(group_sizes) are zero."""
     del interpret, block, layout
-    return _ref_call(x, [w], group_sizes, "linear")
+    y = _ref_call(x, [w], group_sizes, "linear")
+    if out_rows is None:
+        return y
+    return jnp.zeros((out_size, y.shape[1]), y.dtype).at[out_rows].set(y)
 
 
 def ref_grouped_swiglu(x: jax.Array, gate, up, group_sizes: jax.Array, *, interpret: bool = False,
-                       block: Block | None = None, layout: GroupLayout | None = None) -> jax.Array:
+                       block: Block | None = None, layout: GroupLayout | None = None,
+                       rows: jax.Array | None = None) -> jax.Array:
     del interpret, block, layout
-    return _ref_call(x, [gate, up], group_sizes, "swiglu")
+    return _ref_call(x if rows is None else x[rows], [gate, up], group_sizes, "swiglu")

@@ -62,7 +62,7 @@ from flint_jax.config import FlintConfig  # noqa: E402
 from flint_jax import params as params_mod  # noqa: E402
 from flint_jax.pallas_kernels import grouped_matmul as gm  # noqa: E402
 from flint_jax.pallas_kernels import prefill_attention as pa  # noqa: E402
-from flint_jax.state import FullCache, KVState, RingCache, init_state, write_full, write_ring  # noqa: E402
+from flint_jax.state import FullCache, KVState, RingCache, init_state, reset_slots, write_full, write_ring  # noqa: E402
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 VLLM_GB200_8K_MS = 145.0
@@ -264,6 +264,11 @@ class ProgramRunner:
         self.cfg = cfg
         self.settings = (jnp.ones((1,), jnp.float32), jnp.full((1,), 20, jnp.int32), jnp.full((1,), 0.95, jnp.float32))
         self.keys = jax.random.split(jax.random.key(0), 1)
+        # Like the engine, keep one state and empty it between prompts (reset_slots, donated) instead of allocating
+        # a fresh one per prompt: XLA's command buffers (CUDA graphs) are recorded for buffer addresses, and new
+        # state buffers on every call may cost a re-record of the chunk's ~3,700 kernels (the "fresh state" row).
+        self.reset = jax.jit(lambda s: reset_slots(s, jnp.ones(s.lengths.shape, bool)), donate_argnums=0)
+        self.states: dict[int, KVState] = {}
 
     def chunk_program(self, params, state: KVState, tokens, n_new):
         return E.prefill_chunk(params, state, tokens, n_new, self.keys, *self.settings, cfg=self.cfg, impl="pallas")
@@ -272,7 +277,8 @@ class ProgramRunner:
         """tokens [1, N] in chunks of `chunk` (the last one padded); returns the first generated token. on_chunk(c)
         is called after each chunk has finished (synchronised) with {start, tokens, ms}; returning True stops."""
         N = tokens.shape[1]
-        state = init_state(self.cfg, 1, max_len)
+        state = self.states.pop(max_len, None)
+        state = init_state(self.cfg, 1, max_len) if state is None else self.reset(state)
         nxt = None
         for lo in range(0, N, chunk):
             t = time.perf_counter()
@@ -283,7 +289,9 @@ class ProgramRunner:
             if on_chunk is not None:
                 sync(nxt)
                 if on_chunk({"start": lo, "tokens": n, "ms": 1e3 * (time.perf_counter() - t)}) and lo + chunk < N:
+                    self.states[max_len] = state
                     return None
+        self.states[max_len] = state
         return nxt
 
 
@@ -380,6 +388,8 @@ def section_check(run: Run, cfg: FlintConfig, tiny: bool) -> None:
     sizes = jnp.bincount(ids, length=E).astype(jnp.int32)
     x = jax.random.normal(key[1], (rows, H), F32).astype(BF16)
     xa = jax.random.normal(key[2], (rows, I), F32).astype(BF16)
+    src = jax.random.randint(key[6], (rows,), 0, rows)  # gathered rows (repeats, like a token's K slots)
+    dst = jax.random.permutation(key[7], rows)  # scattered rows
     for kind in ("bf16", "nvfp4"):
         if kind == "bf16":
             g = (jax.random.normal(key[3], (E, I, H), F32) / math.sqrt(H)).astype(BF16)
@@ -397,7 +407,14 @@ def section_check(run: Run, cfg: FlintConfig, tiny: bool) -> None:
                  gm.ref_grouped_matmul, (xa, d, sizes)),
                 ("grouped_matmul down, weights as rhs", functools.partial(  # the table before run N
                     gm.grouped_matmul, interpret=interpret, block=gm.Block(64 if tiny else 128, 128, 64, 8, 3)),
-                 gm.ref_grouped_matmul, (xa, d, sizes))):
+                 gm.ref_grouped_matmul, (xa, d, sizes)),
+                ("grouped_swiglu, rows gathered by index",
+                 lambda x, g, u, s, r: gm.grouped_swiglu(x, g, u, s, rows=r, interpret=interpret),
+                 lambda x, g, u, s, r: gm.ref_grouped_swiglu(x, g, u, s, rows=r), (x, g, u, sizes, src)),
+                ("grouped_matmul down, rows scattered by index",
+                 lambda x, d, s, r: gm.grouped_matmul(x, d, s, out_rows=r, out_size=rows, interpret=interpret),
+                 lambda x, d, s, r: gm.ref_grouped_matmul(x, d, s, out_rows=r, out_size=rows),
+                 (xa, d, sizes, dst))):
             what = f"{name} {kind}"
             try:
                 st = bf16_ulp_stats(jax.jit(fn)(*args), jax.jit(ref)(*args))
@@ -697,6 +714,12 @@ def section_prefill(run: Run, cfg: FlintConfig, kind: str, params, tokens: np.nd
                                        "all_ms": ms}
             log(f"prefill {kind} {impl} {label}: {m:.1f} ms, {fl['total'] / m / 1e9:.1f} TFLOP/s "
                 f"(first call {first:.1f} s)")
+            if impl == "program":  # the same prompt into a freshly allocated state (new buffer addresses)
+                runner.states.clear()
+                t = time.perf_counter()
+                sync(runner.prefill(params, tokens, c, N))
+                res[f"{impl}, {label}"]["fresh_state_ms"] = 1e3 * (time.perf_counter() - t)
+                log(f"prefill {kind} {impl} {label}, fresh state: {res[f'{impl}, {label}']['fresh_state_ms']:.1f} ms")
         except Exception as e:  # noqa: BLE001
             run.error(f"prefill {kind} {impl} {label}", e)
             continue

@@ -117,6 +117,42 @@ def test_layout_visits_cover_each_row_once(groups):
     assert live == sum(-(-int(n) // bm) for n in np.asarray(sizes))
 
 
+@pytest.mark.parametrize("block", [BLOCK, BLOCK_LHS], ids=["x_lhs", "weights_lhs"])
+@pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
+def test_rows_by_index_equal_the_gathered_and_scattered_arrays(kind, block):
+    """How prefill runs the experts: gate/up reads each sorted row from the tokens' activations by index (rows),
+    down stores each result at its (token, slot) row (out_rows). Same values as gathering and un-permuting outside
+    the kernels, bit for bit, and as the references given the same indices."""
+    tokens, slots = 13, 3
+    ids = jax.random.randint(jax.random.key(3), (tokens, slots), 0, E).at[0, :].set(5)  # an expert gets a repeat
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+    b = jax.random.normal(jax.random.key(4), (tokens, K), F32).astype(BF16)
+    gate, up, down = weights(kind, seed=1), weights(kind, seed=2), weights(kind, n=K, k=N, seed=3)
+    act = gm.grouped_swiglu(b, gate, up, sizes, rows=order // slots, interpret=INTERPRET, block=block)
+    act_gathered = gm.grouped_swiglu(b[order // slots], gate, up, sizes, interpret=INTERPRET, block=block)
+    np.testing.assert_array_equal(np.asarray(act, F32), np.asarray(act_gathered, F32))
+    assert_bf16_close(act, gm.ref_grouped_swiglu(b, gate, up, sizes, rows=order // slots), max_ulp=2)
+    y = gm.grouped_matmul(act, down, sizes, out_rows=order, out_size=tokens * slots, interpret=INTERPRET,
+                          block=block)
+    y_sorted = gm.grouped_matmul(act, down, sizes, interpret=INTERPRET, block=block)
+    assert y.shape == (tokens * slots, K)
+    np.testing.assert_array_equal(np.asarray(y[order], F32), np.asarray(y_sorted, F32))
+    assert_bf16_close(y, gm.ref_grouped_matmul(act, down, sizes, out_rows=order, out_size=tokens * slots))
+
+
+def test_bad_row_indices_are_refused():
+    x, sizes, n = inputs(GROUPS["one_row_each"], extra_rows=0)
+    w = weights("bf16")
+    with pytest.raises(ValueError, match="out_rows has 5 entries, expected 8"):
+        gm.grouped_matmul(x, w, sizes, out_rows=jnp.arange(5), out_size=8, interpret=True)
+    with pytest.raises(ValueError, match="rows must be a 1-D integer array"):
+        gm.grouped_swiglu(x, w, w, sizes, rows=jnp.zeros((8,), F32), interpret=True)
+    with pytest.raises(ValueError, match="out_rows needs out_size"):
+        gm.grouped_matmul(x, w, sizes, out_rows=jnp.arange(8), interpret=True)
+
+
 def test_wrong_shapes_are_refused():
     x, sizes, _ = inputs(GROUPS["one_row_each"])
     with pytest.raises(ValueError, match="K="):
@@ -150,6 +186,12 @@ def test_kernels_lower_to_triton_for_h200(monkeypatch):
             for fn, args in ((lambda x, g, u, s: gm.grouped_swiglu(x, g, u, s, block=blk["swiglu"]),
                               (S((R, H), BF16), gu, gu, sizes)),
                              (lambda x, w, s: gm.grouped_matmul(x, w, s, block=blk["linear"]),
-                              (S((R, I), BF16), dn, sizes))):
+                              (S((R, I), BF16), dn, sizes)),
+                             # prefill's form: rows gathered by index in, scattered by index out
+                             (lambda x, g, u, s, r: gm.grouped_swiglu(x, g, u, s, block=blk["swiglu"], rows=r),
+                              (S((R // 6, H), BF16), gu, gu, sizes, S((R,), jnp.int32))),
+                             (lambda x, w, s, r: gm.grouped_matmul(x, w, s, block=blk["linear"], out_rows=r,
+                                                                   out_size=R),
+                              (S((R, I), BF16), dn, sizes, S((R,), jnp.int32)))):
                 text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
                 assert "__gpu$xla.gpu.triton" in text
