@@ -114,6 +114,11 @@ def route(b: jax.Array, router: jax.Array, bias: jax.Array, cfg: FlintConfig):
     Selection by score + correction bias, ties to the lower expert index; weights from the unbiased score,
     normalised to sum 1 when norm_topk_prob, then times routed_scaling_factor."""
     logits = jnp.einsum("...h,eh->...e", b.astype(F32), router.astype(F32), precision=HIGHEST)
+    return route_from_logits(logits, bias, cfg)
+
+
+def route_from_logits(logits: jax.Array, bias: jax.Array, cfg: FlintConfig):
+    """`route` given the FP32 router logits [..., E]."""
     scores = jax.nn.sigmoid(logits)
     _, ids = jax.lax.top_k(scores + bias.astype(F32), cfg.num_experts_per_tok)  # stable: ties -> lower index
     w = jnp.take_along_axis(scores, ids, axis=-1)

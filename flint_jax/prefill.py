@@ -8,9 +8,11 @@ Same signatures and results as model.attention_block and layers.mlp_block (FLINT
                pallas_kernels.prefill_attention (sliding: the ring before the chunk + the chunk; full: the cache after
                writing the chunk, up to lengths_after), then Wo and the residual. The chunk's K/V are written with
                state.write_ring / state.write_full, exactly as the reference does.
-    MoE:       rmsnorm, routing (layers.route), (token, slot) pairs sorted by expert, grouped_swiglu (gate and up
-               fused) and grouped_matmul (down) over only the selected experts, the routing-weighted FP32 sum with
-               the shared expert, rounded once. Dense layers (the first two) are layers.mlp_block: one GEMM each.
+    MoE:       rmsnorm, routing (layers.route_from_logits on `router_logits`: FP32 logits from three exact BF16
+               parts of the router on the tensor cores), (token, slot) pairs sorted by expert, grouped_swiglu (gate
+               and up fused, token rows gathered by index) and grouped_matmul (down, results scattered to their
+               (token, slot) rows) over only the selected experts, the routing-weighted FP32 sum with the shared
+               expert, rounded once. Dense layers (the first two) are layers.mlp_block: one GEMM each.
 
 `interpret=None` picks Pallas interpret mode when JAX's default backend is the CPU. `blocks()` returns a
 model.Blocks for model_step.
@@ -72,12 +74,38 @@ def routed_experts(b: jax.Array, moe, ids: jax.Array, num_experts: int, *, inter
     return y.reshape(N, K, -1)
 
 
+def split_bf16x3(w: jax.Array) -> jax.Array:
+    """FP32 w [..., E, H] -> BF16 [..., 3, E, H] with hi + mid + lo == w exactly (24 significant bits in three
+    8-bit parts; each remainder is exact in FP32) for every w above 2^-100 or so in magnitude (router weights are)."""
+    w = w.astype(F32)
+    hi = w.astype(BF16)
+    r = w - hi.astype(F32)
+    mid = r.astype(BF16)
+    lo = (r - mid.astype(F32)).astype(BF16)
+    return jnp.stack([hi, mid, lo], axis=-3)
+
+
+def router_logits(b: jax.Array, router: jax.Array) -> jax.Array:
+    """FP32 router logits [N, E] for BF16 activations b [N, H] on the tensor cores: the FP32 router weights in three
+    exact BF16 parts, one BF16 GEMM against all three with FP32 accumulation (each product exact), the three partial
+    logits added in FP32. layers.route's FP32 einsum rounds each product instead and sums in another order: the two
+    agree to FP32 rounding (a few ulps of the logit). On the H200 that einsum is an FP32 SIMT GEMM: 8.5 ms of the
+    8K prefill (run Y, docs/BENCHMARKS.md)."""
+    E, H = router.shape
+    parts = split_bf16x3(router).reshape(3 * E, H)
+    out = jnp.einsum("nh,eh->ne", b.astype(BF16), parts, preferred_element_type=F32)
+    return (out[:, :E] + out[:, E:2 * E]) + out[:, 2 * E:]
+
+
 def moe_mlp(b: jax.Array, moe, cfg: FlintConfig, *, interpret: bool = False,
             blocks: tuple[gm.Block | None, gm.Block | None] = (None, None), reference: bool = False) -> jax.Array:
     """layers.moe_mlp with the routed experts on the grouped kernels. b [..., H] -> [..., H] BF16."""
     lead = b.shape[:-1]
     flat = b.reshape(-1, b.shape[-1])
-    ids, w = L.route(flat, moe.router, moe.router_bias, cfg)
+    if reference:
+        ids, w = L.route(flat, moe.router, moe.router_bias, cfg)
+    else:
+        ids, w = L.route_from_logits(router_logits(flat, moe.router), moe.router_bias, cfg)
     outs = routed_experts(flat, moe, ids, cfg.n_routed_experts, interpret=interpret, blocks=blocks,
                           reference=reference)
     y = jnp.einsum("nk,nkh->nh", w, outs.astype(F32))

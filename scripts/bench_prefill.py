@@ -423,6 +423,24 @@ def section_check(run: Run, cfg: FlintConfig, tiny: bool) -> None:
                 log(f"check {what}: {st}")
             except Exception as e:  # noqa: BLE001
                 run.error(f"check {what}", e)
+    # Router logits: three BF16 parts on the tensor cores (prefill.router_logits) against the FP32 einsum.
+    try:
+        router = jax.random.normal(key[3], (E, H), F32) * 0.02
+        bias = jax.random.normal(key[4], (E,), F32) * 0.01
+        got = jax.jit(P.router_logits)(x, router)
+        want, scale = jax.jit(lambda x, w: (
+            jnp.einsum("nh,eh->ne", x.astype(F32), w, precision=jax.lax.Precision.HIGHEST),
+            jnp.einsum("nh,eh->ne", jnp.abs(x.astype(F32)), jnp.abs(w), precision=jax.lax.Precision.HIGHEST)))(
+            x, router)
+        ids_got = jax.jit(lambda l: L.route_from_logits(l, bias, cfg)[0])(got)
+        ids_want = jax.jit(lambda l: L.route_from_logits(l, bias, cfg)[0])(want)
+        rel = float(jnp.max(jnp.abs(got - want) / scale))
+        rows_differ = float(jnp.mean(jnp.any(ids_got != ids_want, axis=-1)))
+        run.results["check_router"] = {"max_err_over_abs_sum": rel, "rows_with_other_experts": rows_differ,
+                                       "rows": int(x.shape[0]), "ok": rel < 2 ** -20}
+        log(f"check router_logits: max |err| / sum|terms| {rel:.2e}, rows routed differently {rows_differ:.4%}")
+    except Exception as e:  # noqa: BLE001
+        run.error("check router_logits", e)
     # Attention: Flint's heads, a chunk after some history (the ring wraps), two rows of different lengths.
     Hq, KV, D, W = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.sliding_window
     B, T, S = 2, (24 if tiny else 1024), (96 if tiny else 4096)
@@ -827,6 +845,11 @@ def _markdown(r: dict) -> str:
             lines.append(f"| {k} | {v['max_abs']:.2e} | {v.get('ref_rms', float('nan')):.3g} | "
                          f"{v.get('scaled_err', float('nan')):.2f} | {v['frac_differ']:.4%} | {v['ok']} |")
         lines.append("")
+    if r.get("check_router"):
+        c = r["check_router"]
+        lines += [f"Router logits (three BF16 parts on the tensor cores vs the FP32 einsum, {c['rows']} rows): max "
+                  f"|error| / sum of |terms| {c['max_err_over_abs_sum']:.2e}, rows routed to other experts "
+                  f"{c['rows_with_other_experts']:.4%}, ok {c['ok']}.", ""]
     moe = r.get("moe", {})
     if moe:
         lines += [f"## MoE expert GEMMs, one layer ({moe.get('shape')})", "", "| weights | variant | ms | TFLOP/s |",

@@ -68,8 +68,7 @@ def test_grouped_matmul_matches_reference(kind, groups, block):
     assert_bf16_close(out[:n], ref[:n])
     # The reference is layers' ragged_dot formulation, on other tiles.
     expert_of_row = jnp.repeat(jnp.arange(E), sizes, total_repeat_length=n)
-    np.testing.assert_array_equal(np.asarray(ref[:n], F32),
-                                  np.asarray(L._grouped_linear(x[:n], w, sizes, expert_of_row), F32))
+    assert_same_formulation(ref[:n], L._grouped_linear(x[:n], w, sizes, expert_of_row))
 
 
 @pytest.mark.parametrize("block", [BLOCK, BLOCK_LHS], ids=["x_lhs", "weights_lhs"])
@@ -84,7 +83,17 @@ def test_grouped_swiglu_matches_reference(kind, groups, block):
     expert_of_row = jnp.repeat(jnp.arange(E), sizes, total_repeat_length=n)
     want = L.swiglu(L._grouped_linear(x[:n], gate, sizes, expert_of_row),
                     L._grouped_linear(x[:n], up, sizes, expert_of_row))
-    np.testing.assert_array_equal(np.asarray(ref[:n], F32), np.asarray(want, F32))
+    assert_same_formulation(ref[:n], want, max_ulp=2)
+
+
+def assert_same_formulation(ref, ragged_dot_form, max_ulp=1):
+    """The tiled reference against layers' ragged_dot formulation: bit for bit on the CPU, where XLA sums both in the
+    same order; on the GPU XLA's GEMMs sum in their own order (the compiled run of 2026-11-29 found 1 of 4,800
+    outputs one BF16 ulp apart), so there within the kernels' tolerance."""
+    if INTERPRET:
+        np.testing.assert_array_equal(np.asarray(ref, F32), np.asarray(ragged_dot_form, F32))
+    else:
+        assert_bf16_close(ref, ragged_dot_form, max_ulp=max_ulp)
 
 
 @pytest.mark.parametrize("scale", [1, 24])  # ~9 rows per expert (64-row tiles), ~225 (128-row tiles)

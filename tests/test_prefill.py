@@ -100,3 +100,33 @@ def test_blocks_lower_for_the_gpu_at_flint_shape(monkeypatch):
         for fn, args, n_kernels in cases:
             text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
             assert text.count("__gpu$xla.gpu.triton") == n_kernels
+
+
+def test_router_weights_split_exactly_into_three_bf16_parts():
+    w = jax.random.normal(jax.random.key(5), (64, 256), jnp.float32) * jnp.logspace(-6, 1, 256)[None, :]
+    parts = P.split_bf16x3(w)
+    assert parts.shape == (3, 64, 256) and parts.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(w), np.asarray((parts[0].astype(jnp.float32)
+                                                              + parts[1].astype(jnp.float32))
+                                                             + parts[2].astype(jnp.float32)))
+    # the parts are not redundant: the low part carries bits the first two do not
+    assert bool(jnp.any(parts[2] != 0))
+
+
+def test_router_logits_agree_with_the_fp32_einsum_to_fp32_rounding():
+    """prefill.router_logits (three exact BF16 parts on the tensor cores) against layers.route's FP32 einsum: the
+    same FP32 logits up to summation rounding, and the same top-k on random inputs."""
+    cfg = FlintConfig.tiny()
+    b = jax.random.normal(jax.random.key(6), (97, cfg.hidden_size), jnp.float32).astype(jnp.bfloat16)
+    router = jax.random.normal(jax.random.key(7), (cfg.n_routed_experts, cfg.hidden_size), jnp.float32) * 0.05
+    got = P.router_logits(b, router)
+    want = jnp.einsum("nh,eh->ne", b.astype(jnp.float32), router, precision=jax.lax.Precision.HIGHEST)
+    scale = jnp.einsum("nh,eh->ne", jnp.abs(b.astype(jnp.float32)), jnp.abs(router),
+                       precision=jax.lax.Precision.HIGHEST)
+    assert got.dtype == jnp.float32
+    assert float(jnp.max(jnp.abs(got - want) / scale)) < 2 ** -20  # FP32 summation error over H terms
+    bias = jnp.zeros((cfg.n_routed_experts,), jnp.float32)
+    ids_got, w_got = L.route_from_logits(got, bias, cfg)
+    ids_want, w_want = L.route(b, router, bias, cfg)
+    np.testing.assert_array_equal(np.asarray(ids_got), np.asarray(ids_want))
+    np.testing.assert_allclose(np.asarray(w_got), np.asarray(w_want), rtol=1e-5)
