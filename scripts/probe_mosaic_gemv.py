@@ -1,0 +1,173 @@
+"""Probe: a BF16 decode GEMV as a Mosaic GPU kernel (TMA + wgmma, swap-AB) against today's Triton `gemv`.
+
+Follow-up of scripts/probe_pdl.py (run W, docs/BENCHMARKS.md), where one TMA copy per program streamed weights at
+twice the rate of the Triton lowering's pointer loads. Here the real operation, y = x @ W.T for one token:
+
+  mosaic   the weight tile is the wgmma's left operand (64 rows of W x tile_k, TMA'd into swizzled shared memory by
+           plgpu.emit_pipeline), x the right one (the batch padded to 16 rows, K-major, transposed as a ref); the
+           [64, 16] FP32 accumulator is one program's slice of y. K is split over `splits` programs so that a small N
+           still fills the GPU; the partial sums [splits, N, 16] are added by XLA (`mosaic+sum`), which in a port
+           the next kernel's prologue would do.
+  triton   pallas_kernels.gemv.gemv (the decode path's kernel, its block table).
+
+Each case runs --layers distinct weight matrices (more bytes than L2 holds) in one jitted program, as the 49
+layers of a decode step do; device time per kernel from the profiler trace, and the check against x @ W.T.
+
+    python scripts/probe_mosaic_gemv.py --out $OUT/gemv          # on the GPU
+    python scripts/probe_mosaic_gemv.py --out /tmp/g --lower-only  # CPU: lower the Mosaic kernels for CUDA
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import flint_jax  # noqa: E402,F401  (XLA flags first)
+from flint_jax import device_trace  # noqa: E402
+from flint_jax.pallas_kernels import gemv as triton_gemv  # noqa: E402
+
+BATCH_PAD = 16  # wgmma's N for the activations: the smallest that takes a 32-byte swizzle in BF16
+ROWS = 64  # wgmma's M: weight rows per program
+SHAPES = {"o_proj": (2048, 4096), "qkv": (5120, 2048)}  # (N, K) of Flint's BF16 attention projections
+
+
+def _register_mosaic_gpu_lowering():
+    """`plgpu.kernel`'s lowering rule lives in a module that only the CUDA plugin imports; lowering for CUDA from a
+    CPU host (--lower-only) needs it imported by hand."""
+    import importlib
+    importlib.import_module("jax._src.pallas.mosaic_gpu.pallas_call_registration")
+
+
+def mosaic_gemv(x_pad: jax.Array, w: jax.Array, *, splits: int, tile_k: int = 128, stages: int = 4) -> jax.Array:
+    """x_pad [16, K] BF16 (rows past the batch are zero), w [N, K] BF16 -> partial sums [splits, N, 16] FP32."""
+    N, K = w.shape
+    if N % ROWS or K % (splits * tile_k):
+        raise ValueError(f"w [{N}, {K}] must tile into {ROWS} rows and {splits} x {tile_k} K values")
+    steps = K // splits // tile_k
+    swizzle = plgpu.find_swizzle(tile_k * 16)
+    k_major = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
+    out_tiles = (plgpu.TilingTransform((8, BATCH_PAD)), plgpu.SwizzleTransform(BATCH_PAD * 4))
+
+    @functools.partial(plgpu.kernel, out_type=jax.ShapeDtypeStruct((splits, N, BATCH_PAD), jnp.float32),
+                       grid=(N // ROWS, splits), grid_names=("i", "s"),
+                       scratch_types=[plgpu.SMEM((ROWS, BATCH_PAD), jnp.float32, transforms=out_tiles)])
+    def kernel(x_gmem, w_gmem, o_gmem, o_smem):
+        i, s = lax.axis_index("i"), lax.axis_index("s")
+
+        @functools.partial(pl.run_scoped, acc=plgpu.ACC((ROWS, BATCH_PAD), jnp.float32))
+        def _(acc):
+            def step(_, w_smem, x_smem):
+                plgpu.wgmma(acc, w_smem, x_smem.transpose((1, 0)))
+                plgpu.wgmma_wait(1)
+
+            plgpu.emit_pipeline(step, grid=(steps,), max_concurrent_steps=stages, in_specs=[
+                plgpu.BlockSpec((ROWS, tile_k), lambda k: (i, s * steps + k), transforms=k_major),
+                plgpu.BlockSpec((BATCH_PAD, tile_k), lambda k: (0, s * steps + k), transforms=k_major)],
+            )(w_gmem, x_gmem)
+            plgpu.wgmma_wait(0)
+            o_smem[...] = acc[...]
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[s, pl.ds(i * ROWS, ROWS)])
+        plgpu.wait_smem_to_gmem(0)
+
+    return kernel(x_pad, w)
+
+
+def mosaic_linear(x: jax.Array, w: jax.Array, *, splits: int, reduce: bool = True) -> jax.Array:
+    """x [M, K] (M <= 16) -> [M, N] BF16 through mosaic_gemv and an XLA sum of the splits (or the raw partials)."""
+    M = x.shape[0]
+    x_pad = jnp.zeros((BATCH_PAD, x.shape[1]), jnp.bfloat16).at[:M].set(x.astype(jnp.bfloat16))
+    parts = mosaic_gemv(x_pad, w, splits=splits)
+    if not reduce:
+        return parts
+    return parts.sum(axis=0)[:, :M].T.astype(jnp.bfloat16)
+
+
+def variants(splits_list):
+    out = {"triton": lambda x, w: triton_gemv.gemv(x, w)}
+    for s in splits_list:
+        out[f"mosaic_s{s}"] = functools.partial(mosaic_linear, splits=s, reduce=False)
+        out[f"mosaic_s{s}+sum"] = functools.partial(mosaic_linear, splits=s)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--layers", type=int, default=49)
+    ap.add_argument("--splits", default="1,2,4")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--trace-dir", default="/tmp/probe_mosaic_gemv_traces")
+    ap.add_argument("--lower-only", action="store_true")
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    splits_list = [int(s) for s in args.splits.split(",") if s]
+    results: dict = {"layers": args.layers, "shapes": {}}
+    path = os.path.join(args.out, "probe_mosaic_gemv.json")
+    for shape in [s for s in args.shapes.split(",") if s]:
+        N, K = SHAPES[shape]
+        res = results["shapes"].setdefault(shape, {"N": N, "K": K, "weight_bytes": N * K * 2})
+        if args.lower_only:
+            _register_mosaic_gpu_lowering()
+            for s in splits_list:
+                S = jax.ShapeDtypeStruct
+                text = jax.jit(functools.partial(mosaic_linear, splits=s)).trace(
+                    S((1, K), jnp.bfloat16), S((N, K), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
+                res[f"mosaic_s{s}"] = {"lowered_chars": len(text)}
+                print(f"[probe_mosaic_gemv] {shape} splits {s}: lowered", flush=True)
+            continue
+        key = jax.random.key(1)
+        ws = [(jax.random.normal(jax.random.fold_in(key, l), (N, K), jnp.float32) / np.sqrt(K)).astype(jnp.bfloat16)
+              for l in range(args.layers)]
+        x = jax.random.normal(jax.random.key(2), (1, K), jnp.float32).astype(jnp.bfloat16)
+        want = np.asarray(jnp.dot(x.astype(jnp.float32), ws[0].astype(jnp.float32).T,
+                                  precision=jax.lax.Precision.HIGHEST))
+        for name, fn in variants(splits_list).items():
+            try:
+                run = jax.jit(lambda x, ws: [fn(x, w) for w in ws])
+                outs = run(x, ws)
+                entry = {}
+                if not name.startswith("mosaic") or name.endswith("+sum"):
+                    got = np.asarray(outs[0], np.float32)
+                    entry["max_abs_err"] = float(np.max(np.abs(got - want)))
+                    entry["ref_max_abs"] = float(np.max(np.abs(want)))
+                events = device_trace.trace_kernels(lambda: [run(x, ws) for _ in range(args.steps)][-1],
+                                                    os.path.join(args.trace_dir, f"{shape}_{name}"))
+                summary = device_trace.summarize(events, args.steps)
+                dev = device_trace.device_ms(events, args.steps)
+                kernel_rows = [r for r in summary["rows"] if r["per_step"] >= args.layers]
+                entry.update({"device_us_per_layer": dev * 1e3 / args.layers if dev else None,
+                              "kernels_per_layer": summary["launches_per_step"] / args.layers,
+                              "kernels": [{"name": r["name"][:60], "median_us": r["median_us"],
+                                           "per_layer": r["per_step"] / args.layers} for r in kernel_rows]})
+                if dev:
+                    entry["GBps"] = N * K * 2 / (dev * 1e-3 / args.layers) / 1e9
+                res[name] = entry
+                print(f"[probe_mosaic_gemv] {shape} {name}: {entry.get('device_us_per_layer')} us per layer, "
+                      f"{entry['kernels_per_layer']:.1f} kernels per layer, err {entry.get('max_abs_err')}, "
+                      f"kernels {[(k['name'][:30], round(k['median_us'], 2)) for k in entry['kernels']]}", flush=True)
+            except Exception as e:  # noqa: BLE001  (one variant failing must not hide the others)
+                res[name] = {"error": f"{type(e).__name__}: {e}"[:1500]}
+                print(f"[probe_mosaic_gemv] {shape} {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+            json.dump(results, open(path, "w"), indent=1)
+        del ws
+    json.dump(results, open(path, "w"), indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
