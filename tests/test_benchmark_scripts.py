@@ -60,3 +60,33 @@ def test_tune_weight_kernels_tiny(tmp_path):
     assert {r["case"] for r in rows} == {"qkv", "o", "gate_up", "down", "router"}
     assert all(r.get("ran") for r in rows), [r for r in rows if not r.get("ran")]
     assert sum(r["block"] == "table" for r in rows) == 5  # the table's choice and one grid setting per kernel
+
+
+def test_bench_prefill_tiny(tmp_path):
+    """The prefill benchmark's CPU smoke mode: kernel checks, the engine-path prefill (kept and fresh state), the
+    per-layer loop, and the TTFT on the engine path."""
+    run_script("bench_prefill.py", "--tiny", "--check", "--out", str(tmp_path), "--weights", "nvfp4",
+               "--skip", "moe,attn,jax,extras", "--no-sweep")
+    res = json.loads((tmp_path / "bench_prefill.json").read_text())
+    assert res["check"] and all(v["ok"] for v in res["check"].values())
+    assert "grouped_swiglu, rows gathered by index nvfp4" in res["check"]
+    assert res["check_router"]["ok"] and res["check_router"]["rows_with_other_experts"] == 0.0
+    prog = res["prefill"]["nvfp4"]["program, one chunk of 32"]
+    assert prog["ms"] > 0 and prog["fresh_state_ms"] > 0
+    assert res["prefill"]["nvfp4"]["kernels, one chunk of 32, per-layer calls"]["ms"] > 0
+    ttft = res["ttft"]["nvfp4"]
+    assert ttft["program_ttft_s"] > 0 and len(ttft["program_per_chunk"]) == ttft["n_chunks"]
+    assert "the engine's path" in (tmp_path / "bench_prefill.md").read_text()
+
+
+def test_mosaic_gpu_probes_lower_for_cuda(tmp_path):
+    """The Mosaic GPU probes lower for CUDA on the CPU (their kernels run only on the device machine): the PDL
+    variants carry the launch attribute, the others do not."""
+    run_script("probe_pdl.py", "--out", str(tmp_path / "pdl"), "--lower-only", "--layers", "2")
+    pdl = json.loads((tmp_path / "pdl" / "probe_pdl.json").read_text())["variants"]
+    assert pdl["mosaic"]["mosaic_calls"] > 0 and pdl["mosaic"]["uses_pdl"] == 0
+    assert pdl["mosaic_pdl"]["uses_pdl"] == 2 and pdl["triton"]["mosaic_calls"] == 0
+    run_script("probe_mosaic_gemv.py", "--out", str(tmp_path / "gemv"), "--lower-only", "--shapes", "o_proj",
+               "--splits", "2")
+    gemv = json.loads((tmp_path / "gemv" / "probe_mosaic_gemv.json").read_text())
+    assert gemv["shapes"]["o_proj"]["mosaic_s2"]["lowered_chars"] > 0
