@@ -87,6 +87,7 @@ def test_mosaic_gpu_probes_lower_for_cuda(tmp_path):
     assert pdl["mosaic"]["mosaic_calls"] > 0 and pdl["mosaic"]["uses_pdl"] == 0
     assert pdl["mosaic_pdl"]["uses_pdl"] == 2 and pdl["triton"]["mosaic_calls"] == 0
     run_script("probe_mosaic_gemv.py", "--out", str(tmp_path / "gemv"), "--lower-only", "--shapes", "o_proj",
-               "--splits", "2")
+               "--splits", "2", "--weights", "bf16,nvfp4")
     gemv = json.loads((tmp_path / "gemv" / "probe_mosaic_gemv.json").read_text())
-    assert gemv["shapes"]["o_proj"]["mosaic_s2"]["lowered_chars"] > 0
+    assert gemv["shapes"]["o_proj bf16"]["mosaic_s2"]["lowered_chars"] > 0
+    assert gemv["shapes"]["o_proj nvfp4"]["mosaic_s2"]["lowered_chars"] > 0
