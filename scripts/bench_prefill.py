@@ -265,8 +265,9 @@ class ProgramRunner:
         self.settings = (jnp.ones((1,), jnp.float32), jnp.full((1,), 20, jnp.int32), jnp.full((1,), 0.95, jnp.float32))
         self.keys = jax.random.split(jax.random.key(0), 1)
         # Like the engine, keep one state and empty it between prompts (reset_slots, donated) instead of allocating
-        # a fresh one per prompt: XLA's command buffers (CUDA graphs) are recorded for buffer addresses, and new
-        # state buffers on every call may cost a re-record of the chunk's ~3,700 kernels (the "fresh state" row).
+        # a fresh one per prompt: new state buffers cost 35-43 ms per 8K prompt in run Y (docs/BENCHMARKS.md; the
+        # "fresh state" figure each run reports), most likely the update of the command buffer (CUDA graph) that
+        # XLA recorded for the old addresses, ~3,300 kernel nodes.
         self.reset = jax.jit(lambda s: reset_slots(s, jnp.ones(s.lengths.shape, bool)), donate_argnums=0)
         self.states: dict[int, KVState] = {}
 
