@@ -57,6 +57,12 @@ def token_keys(keys: jax.Array, generated: jax.Array) -> jax.Array:
     return jax.vmap(jax.random.fold_in)(keys, generated)
 
 
+# Emptying slots in place (donated): the state keeps its buffers, so the command buffers (CUDA graphs) XLA recorded
+# for the prefill and decode programs stay valid. A fresh state cost 35-43 ms per 8K prefill on the H200 (run Y,
+# docs/BENCHMARKS.md).
+reset_slots_in_place = jax.jit(reset_slots, donate_argnums=0)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("state",))
 def prefill_chunk(params: Params, state: KVState, tokens: jax.Array, n_new: jax.Array, keys: jax.Array,
                   temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, cfg: FlintConfig,
@@ -207,7 +213,7 @@ class Engine:
         sampling = self._validate(prompts, sampling)
         queue = list(range(len(prompts)))
         slots: list[_Slot | None] = [None] * self.max_batch
-        self.state = reset_slots(self.state, jnp.ones((self.max_batch,), bool))
+        self.state = reset_slots_in_place(self.state, jnp.ones((self.max_batch,), bool))
         while queue or any(slots):
             fresh = []
             for b in range(self.max_batch):
@@ -220,7 +226,7 @@ class Engine:
             if fresh:
                 mask = np.zeros(self.max_batch, bool)
                 mask[fresh] = True
-                self.state = reset_slots(self.state, jnp.asarray(mask))
+                self.state = reset_slots_in_place(self.state, jnp.asarray(mask))
                 yield from self._prefill(slots, fresh, results)
             active = [b for b in range(self.max_batch) if slots[b] is not None]
             if active:

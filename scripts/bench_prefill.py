@@ -62,7 +62,7 @@ from flint_jax.config import FlintConfig  # noqa: E402
 from flint_jax import params as params_mod  # noqa: E402
 from flint_jax.pallas_kernels import grouped_matmul as gm  # noqa: E402
 from flint_jax.pallas_kernels import prefill_attention as pa  # noqa: E402
-from flint_jax.state import FullCache, KVState, RingCache, init_state, reset_slots, write_full, write_ring  # noqa: E402
+from flint_jax.state import FullCache, KVState, RingCache, init_state, write_full, write_ring  # noqa: E402
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 VLLM_GB200_8K_MS = 145.0
@@ -268,7 +268,7 @@ class ProgramRunner:
         # a fresh one per prompt: new state buffers cost 35-43 ms per 8K prompt in run Y (docs/BENCHMARKS.md; the
         # "fresh state" figure each run reports), most likely the update of the command buffer (CUDA graph) that
         # XLA recorded for the old addresses, ~3,300 kernel nodes.
-        self.reset = jax.jit(lambda s: reset_slots(s, jnp.ones(s.lengths.shape, bool)), donate_argnums=0)
+        self.reset = lambda s: E.reset_slots_in_place(s, jnp.ones(s.lengths.shape, bool))
         self.states: dict[int, KVState] = {}
 
     def chunk_program(self, params, state: KVState, tokens, n_new):
