@@ -75,7 +75,7 @@ def run(args) -> int:
     if tools is None:
         tools = rt.default_tools
     engine = Engine(rt.cfg, rt.params, max_batch=1, max_len=resolve_max_len(args, rt), impl=args.impl,
-                    steps_per_dispatch=args.steps_per_dispatch, tokenizer=rt.tokenizer,
+                    steps_per_dispatch=args.steps_per_dispatch, chunk_size=args.prefill_chunk, tokenizer=rt.tokenizer,
                     chat_template=rt.chat_template)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     if args.message is not None:

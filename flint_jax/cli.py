@@ -32,6 +32,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps-per-dispatch", type=int, default=1,
                    help="decode steps per device call: more hide the host's per-call cost on a GPU; tokens then "
                         "print in bursts of this many (default: 1)")
+    p.add_argument("--prefill-chunk", type=int, default=256,
+                   help="prompt tokens per prefill call (one compiled program per size); on a GPU with long "
+                        "prompts use thousands, e.g. 8192 (default: 256)")
 
 
 def resolve_max_len(args, rt) -> int:
@@ -69,7 +72,7 @@ def run_generate(args) -> int:
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                               max_tokens=args.max_tokens, seed=args.seed, stop_token_ids=rt.stop_token_ids)
     engine = Engine(rt.cfg, rt.params, max_batch=1, max_len=resolve_max_len(args, rt), impl=args.impl,
-                    steps_per_dispatch=args.steps_per_dispatch)
+                    steps_per_dispatch=args.steps_per_dispatch, chunk_size=args.prefill_chunk)
     decoder = IncrementalDecoder(rt.tokenizer)
     sys.stdout.write(args.prompt if not args.chat else "")
     t0 = time.perf_counter()

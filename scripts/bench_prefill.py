@@ -902,8 +902,8 @@ def _markdown(r: dict) -> str:
                           + ", ".join(f"{c['ms']:.0f}" for c in d["program_per_chunk"]) + ".", ""]
             if "ttft_s" not in d:
                 continue
-            lines += [f"**{kind}**, breakdown run (each part its own synchronised call): {d['tokens']} tokens in chunks "
-                      f"of {d['chunk']}: TTFT {d['ttft_s']:.2f} s "
+            lines += [f"**{kind}**, breakdown run (each part its own synchronised call): {d['tokens']} tokens in "
+                      f"chunks of {d['chunk']}: TTFT {d['ttft_s']:.2f} s "
                       f"({d['tflops']:.1f} TFLOP/s over {d['flops']['total'] / 1e15:.2f} PFLOP useful).", "",
                       "| part | s | share |", "|---|---|---|"]
             tot = sum(d["parts_s"].values())

@@ -20,6 +20,16 @@ def test_generate_runs_and_bad_values_exit_1():
     assert r.stdout.startswith("Hi") and "model:" in r.stderr and "3 tokens" in r.stderr
     r = flint("generate", "--top-p", "0")
     assert r.returncode == 1 and "top_p" in r.stderr
+    r = flint("generate", "--prefill-chunk", "0")
+    assert r.returncode == 1 and "chunk_size must be >= 1" in r.stderr
+
+
+def test_generate_prefill_chunk_does_not_change_the_tokens():
+    args = ("generate", "--prompt", "The quick brown fox jumps over the lazy dog", "--max-tokens", "4",
+            "--temperature", "0")
+    whole, chunked = flint(*args), flint(*args, "--prefill-chunk", "3")
+    assert whole.returncode == 0 and chunked.returncode == 0, whole.stderr + chunked.stderr
+    assert whole.stdout == chunked.stdout
 
 
 def test_chat_one_shot_with_the_default_model_shows_the_tool_call():
