@@ -1,6 +1,7 @@
 """Diagnostic (not a test): tests/test_prefill.py's chunked-prefill cases, compiled, with the prefill router logits
 as three BF16 parts (the default) or as the FP32 einsum, and prefill attention's P @ V in BF16 (the GPU default) or
 FP32: max |error| / max |ref| of the logits and the argmax agreement per row, to see which one moves the results."""
+import argparse
 import itertools
 import os
 import sys
@@ -20,8 +21,17 @@ from flint_jax.pallas_kernels import prefill_attention as pa  # noqa: E402
 split_logits = P.router_logits
 fp32_logits = jax.jit(lambda b, r: jnp.einsum("nh,eh->ne", b.astype(jnp.float32), r.astype(jnp.float32),
                                               precision=jax.lax.Precision.HIGHEST))
-M._blocks = T._blocks
-for pv, split in itertools.product(["bf16", "f32"], [True, False]):
+
+
+def main(argv=None) -> int:
+    argparse.ArgumentParser(description=__doc__).parse_args(argv)  # --help; no options
+    M._blocks = T._blocks
+    for pv, split in itertools.product(["bf16", "f32"], [True, False]):
+        run_case(pv, split)
+    return 0
+
+
+def run_case(pv: str, split: bool) -> None:
     pa.GPU_PV = pv
     P.router_logits = split_logits if split else fp32_logits
     jax.clear_caches()
@@ -38,3 +48,7 @@ for pv, split in itertools.product(["bf16", "f32"], [True, False]):
             agree = float((jnp.argmax(g, -1) == jnp.argmax(ref, -1)).mean())
             print(f"[diag] pv={pv} split_router={split} {weights} window {window} row {b}: "
                   f"max err / max |ref| {err:.4f}, argmax agreement {agree:.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
