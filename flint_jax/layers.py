@@ -113,8 +113,12 @@ def route(b: jax.Array, router: jax.Array, bias: jax.Array, cfg: FlintConfig):
     """Sigmoid top-k routing. b [..., H] bf16 -> (expert ids [..., K] int32, weights [..., K] f32).
     Selection by score + correction bias, ties to the lower expert index; weights from the unbiased score,
     normalised to sum 1 when norm_topk_prob, then times routed_scaling_factor."""
-    logits = jnp.einsum("...h,eh->...e", b.astype(F32), router.astype(F32), precision=HIGHEST)
-    return route_from_logits(logits, bias, cfg)
+    return route_from_logits(router_logits(b, router), bias, cfg)
+
+
+def router_logits(b: jax.Array, router: jax.Array) -> jax.Array:
+    """FP32 router logits [..., E] = b @ router.T at full FP32 precision (FLINT_SPEC: the router is FP32)."""
+    return jnp.einsum("...h,eh->...e", b.astype(F32), router.astype(F32), precision=HIGHEST)
 
 
 def route_from_logits(logits: jax.Array, bias: jax.Array, cfg: FlintConfig):

@@ -37,6 +37,8 @@ def lowering_for_gpu():
     # Without a GPU attached, Pallas' Triton lowering asks for a device description; describe an H200 (private API,
     # used only by this inspection helper).
     from jax._src.pallas.triton import gpu_info, pallas_call_registration as reg
+    # Mosaic GPU kernels (plgpu.kernel) lower through a rule that only the CUDA plugin imports; import it here.
+    importlib.import_module("jax._src.pallas.mosaic_gpu.pallas_call_registration")
     saved_info = reg.gpu_info_lib.get_gpu_info
     if jax.default_backend() != "gpu":
         reg.gpu_info_lib.get_gpu_info = lambda: gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200)

@@ -8,7 +8,7 @@ Same signatures and results as model.attention_block and layers.mlp_block (FLINT
                pallas_kernels.prefill_attention (sliding: the ring before the chunk + the chunk; full: the cache after
                writing the chunk, up to lengths_after), then Wo and the residual. The chunk's K/V are written with
                state.write_ring / state.write_full, exactly as the reference does.
-    MoE:       rmsnorm, routing (layers.route_from_logits on `router_logits`: FP32 logits from three exact BF16
+    MoE:       rmsnorm, routing (layers.route_from_logits on `router_logits_bf16x3`: FP32 logits from three exact BF16
                parts of the router on the tensor cores), (token, slot) pairs sorted by expert, grouped_swiglu (gate
                and up fused, token rows gathered by index) and grouped_matmul (down, results scattered to their
                (token, slot) rows) over only the selected experts, the routing-weighted FP32 sum with the shared
@@ -85,10 +85,10 @@ def split_bf16x3(w: jax.Array) -> jax.Array:
     return jnp.stack([hi, mid, lo], axis=-3)
 
 
-def router_logits(b: jax.Array, router: jax.Array) -> jax.Array:
+def router_logits_bf16x3(b: jax.Array, router: jax.Array) -> jax.Array:
     """FP32 router logits [N, E] for BF16 activations b [N, H] on the tensor cores: the FP32 router weights in three
     exact BF16 parts, one BF16 GEMM against all three with FP32 accumulation (each product exact), the three partial
-    logits added in FP32. layers.route's FP32 einsum rounds each product instead and sums in another order: the two
+    logits added in FP32. layers.router_logits (FP32 einsum) rounds each product instead and sums in another order: the two
     agree to FP32 rounding (a few ulps of the logit). On the H200 that einsum is an FP32 SIMT GEMM: 8.5 ms of the
     8K prefill (run Y, docs/BENCHMARKS.md)."""
     E, H = router.shape
@@ -105,7 +105,7 @@ def moe_mlp(b: jax.Array, moe, cfg: FlintConfig, *, interpret: bool = False,
     if reference:
         ids, w = L.route(flat, moe.router, moe.router_bias, cfg)
     else:
-        ids, w = L.route_from_logits(router_logits(flat, moe.router), moe.router_bias, cfg)
+        ids, w = L.route_from_logits(router_logits_bf16x3(flat, moe.router), moe.router_bias, cfg)
     outs = routed_experts(flat, moe, ids, cfg.n_routed_experts, interpret=interpret, blocks=blocks,
                           reference=reference)
     y = jnp.einsum("nk,nkh->nh", w, outs.astype(F32))

@@ -213,4 +213,4 @@ def ref_route(h, router, bias, cfg, *, norm_weight=None, interpret=False):
 def ref_router_logits(h, router, *, norm_weight=None, eps=1e-5, interpret=False, block=None):
     del interpret, block
     b = h if norm_weight is None else layers.rmsnorm(h, norm_weight, eps)
-    return jnp.einsum("mh,eh->me", b.astype(F32), router.astype(F32), precision=layers.HIGHEST), b
+    return layers.router_logits(b, router), b

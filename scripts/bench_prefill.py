@@ -28,8 +28,9 @@ written (JSON + Markdown) after every section, so a run cut short still leaves w
 
 Apart from the engine-path rows, the layers run as a Python loop over per-layer jitted blocks (one compile per
 layer kind, not one 49-layer program), which keeps compile time inside the budget; the arithmetic is exactly
-flint_jax.prefill's blocks. The loop leaves the device idle while Python dispatches: the traced 8K prefill of
-2026-11-29 (commit 33f1351) ran 183 ms of kernels in a 253 ms device span.
+flint_jax.prefill's blocks. The loop leaves the device idle for part of the time: its per-layer executables see
+new buffers on every call (NVFP4 in runs Y and Z, docs/BENCHMARKS.md: 231.5 and 204.2 ms against 176.9 and 169.3
+ms for the engine's path), so its figures are a comparison, not the headline.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from flint_jax import model as M  # noqa: E402
 from flint_jax import nvfp4  # noqa: E402
 from flint_jax import prefill as P  # noqa: E402
 from flint_jax.config import FlintConfig  # noqa: E402
+from flint_jax.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P  # noqa: E402
 from flint_jax import params as params_mod  # noqa: E402
 from flint_jax.pallas_kernels import grouped_matmul as gm  # noqa: E402
 from flint_jax.pallas_kernels import prefill_attention as pa  # noqa: E402
@@ -262,7 +264,8 @@ class ProgramRunner:
 
     def __init__(self, cfg: FlintConfig):
         self.cfg = cfg
-        self.settings = (jnp.ones((1,), jnp.float32), jnp.full((1,), 20, jnp.int32), jnp.full((1,), 0.95, jnp.float32))
+        self.settings = (jnp.full((1,), DEFAULT_TEMPERATURE, jnp.float32), jnp.full((1,), DEFAULT_TOP_K, jnp.int32),
+                         jnp.full((1,), DEFAULT_TOP_P, jnp.float32))
         self.keys = jax.random.split(jax.random.key(0), 1)
         # Like the engine, keep one state and empty it between prompts (reset_slots, donated) instead of allocating
         # a fresh one per prompt: new state buffers cost 35-43 ms per 8K prompt in run Y (docs/BENCHMARKS.md; the
@@ -424,14 +427,12 @@ def section_check(run: Run, cfg: FlintConfig, tiny: bool) -> None:
                 log(f"check {what}: {st}")
             except Exception as e:  # noqa: BLE001
                 run.error(f"check {what}", e)
-    # Router logits: three BF16 parts on the tensor cores (prefill.router_logits) against the FP32 einsum.
+    # Router logits: three BF16 parts on the tensor cores (prefill.router_logits_bf16x3) against the FP32 einsum.
     try:
         router = jax.random.normal(key[3], (E, H), F32) * 0.02
         bias = jax.random.normal(key[4], (E,), F32) * 0.01
-        got = jax.jit(P.router_logits)(x, router)
-        want, scale = jax.jit(lambda x, w: (
-            jnp.einsum("nh,eh->ne", x.astype(F32), w, precision=jax.lax.Precision.HIGHEST),
-            jnp.einsum("nh,eh->ne", jnp.abs(x.astype(F32)), jnp.abs(w), precision=jax.lax.Precision.HIGHEST)))(
+        got = jax.jit(P.router_logits_bf16x3)(x, router)
+        want, scale = jax.jit(lambda x, w: (L.router_logits(x, w), L.router_logits(jnp.abs(x), jnp.abs(w))))(
             x, router)
         ids_got = jax.jit(lambda l: L.route_from_logits(l, bias, cfg)[0])(got)
         ids_want = jax.jit(lambda l: L.route_from_logits(l, bias, cfg)[0])(want)
@@ -714,14 +715,14 @@ def section_prefill(run: Run, cfg: FlintConfig, kind: str, params, tokens: np.nd
     fl = prefill_flops(cfg, 0, N)
     res["flops"] = fl
     if which == "headline":
-        # The engine's path (one program per chunk) is the headline; the per-layer loop beside it shows what the
-        # host costs when Python dispatches each layer's blocks.
+        # The engine's path (one program per chunk) is the headline; the per-layer loop beside it for comparison
+        # (it sees new buffers on every call; it was 28-55 ms slower per 8K prompt in runs Y and Z).
         todo = [("program", f"one chunk of {N}", N), ("kernels", f"one chunk of {N}, per-layer calls", N)]
     else:  # (--tiny: the TTFT run already covers chunking)
         todo = ([] if tiny else [("kernels", f"chunks of {chunk}", chunk)]) + [("reference", f"one chunk of {N}", N)]
     for impl, label, c in todo:
-        # first call (compile) ~13 s + two timed runs on the H200 (run of 2026-11-29: 12-14 s per row); the
-        # whole-chunk program compiles longer (not measured yet: allow a minute)
+        # first call (compile) + two timed runs on the H200: per-layer loop 12-14 s per row; the whole-chunk
+        # program's first call took 22-42 s (runs W-Z)
         need = {"program": 75, "kernels": 25}.get(impl, 30) if not tiny else 3
         if not run.allows(need + reserve, f"prefill {kind} {impl} {label}"):
             continue

@@ -13,14 +13,12 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import test_prefill as T  # noqa: E402
-from flint_jax import model as M, prefill as P  # noqa: E402
+from flint_jax import layers as L, model as M, prefill as P  # noqa: E402
 from flint_jax.config import FlintConfig  # noqa: E402
 from flint_jax.params import init_params  # noqa: E402
 from flint_jax.pallas_kernels import prefill_attention as pa  # noqa: E402
 
-split_logits = P.router_logits
-fp32_logits = jax.jit(lambda b, r: jnp.einsum("nh,eh->ne", b.astype(jnp.float32), r.astype(jnp.float32),
-                                              precision=jax.lax.Precision.HIGHEST))
+split_logits = P.router_logits_bf16x3
 
 
 def main(argv=None) -> int:
@@ -33,7 +31,7 @@ def main(argv=None) -> int:
 
 def run_case(pv: str, split: bool) -> None:
     pa.GPU_PV = pv
-    P.router_logits = split_logits if split else fp32_logits
+    P.router_logits_bf16x3 = split_logits if split else L.router_logits
     jax.clear_caches()
     step = jax.jit(M.model_step, static_argnames=("cfg", "impl"))
     for window, weights, chunks, n_valid in T.CASES:

@@ -35,20 +35,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import flint_jax  # noqa: E402,F401  (XLA flags first)
-from flint_jax import device_trace, nvfp4  # noqa: E402
+from flint_jax import device_trace, nvfp4, pallas_path  # noqa: E402
 from flint_jax import layers as L  # noqa: E402
 from flint_jax.pallas_kernels import gemv as triton_gemv  # noqa: E402
 
 BATCH_PAD = 16  # wgmma's N for the activations: the smallest that takes a 32-byte swizzle in BF16
 ROWS = 64  # wgmma's M: weight rows per program
 SHAPES = {"o_proj": (2048, 4096), "qkv": (5120, 2048)}  # (N, K) of Flint's BF16 attention projections
-
-
-def _register_mosaic_gpu_lowering():
-    """`plgpu.kernel`'s lowering rule lives in a module that only the CUDA plugin imports; lowering for CUDA from a
-    CPU host (--lower-only) needs it imported by hand."""
-    import importlib
-    importlib.import_module("jax._src.pallas.mosaic_gpu.pallas_call_registration")
 
 
 def mosaic_gemv(x_pad: jax.Array, w: jax.Array, *, splits: int, tile_k: int = 128, stages: int = 4) -> jax.Array:
@@ -233,12 +226,13 @@ def main(argv=None) -> int:
         nbytes = N * K * 2 if kind == "bf16" else N * K // 2 + N * K // 16
         res = results["shapes"].setdefault(f"{shape} {kind}", {"N": N, "K": K, "weight_bytes": nbytes})
         if args.lower_only:
-            _register_mosaic_gpu_lowering()
             w_abs = jax.eval_shape(lambda: make_weight(jax.random.key(0), N, K, kind))
             linear = mosaic_linear if kind == "bf16" else mosaic_linear_nvfp4
             for s in splits_list:
-                text = jax.jit(functools.partial(linear, splits=s)).trace(
-                    jax.ShapeDtypeStruct((1, K), jnp.bfloat16), w_abs).lower(lowering_platforms=("cuda",)).as_text()
+                with pallas_path.lowering_for_gpu():
+                    text = jax.jit(functools.partial(linear, splits=s)).trace(
+                        jax.ShapeDtypeStruct((1, K), jnp.bfloat16), w_abs).lower(
+                        lowering_platforms=("cuda",)).as_text()
                 res[f"mosaic_s{s}"] = {"lowered_chars": len(text)}
                 print(f"[probe_mosaic_gemv] {shape} {kind} splits {s}: lowered", flush=True)
             continue

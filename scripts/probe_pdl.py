@@ -21,8 +21,10 @@ slice of the previous layer's output. Variants (same arithmetic, same bytes):
   mixed           layers alternate triton and mosaic_pdl (question 3)
 
 For each: device time per chain (profiler trace: first kernel start to last kernel end), wall time per call,
-kernels per chain, whether the compiled HLO puts the kernels inside a command buffer, and the check that the
-chain's result equals the plain-JAX one.
+kernels per chain, the kernels' custom-call targets in the compiled HLO, and the check that the chain's result
+equals the plain-JAX one. Whether the kernels run inside XLA's command buffers (CUDA graphs) is not visible in the
+HLO text (command buffers are formed below it): compare a run with XLA_FLAGS=--xla_gpu_enable_command_buffer=
+(run W, docs/BENCHMARKS.md: ~0.15 us between kernels with them, 1.7-6.4 us without).
 
     python scripts/probe_pdl.py --out $OUT/pdl                # on the GPU
     python scripts/probe_pdl.py --out /tmp/pdl --lower-only   # CPU: lower every variant for CUDA (no run)
@@ -52,12 +54,6 @@ from flint_jax import device_trace, pallas_path  # noqa: E402
 
 TILE_ROWS, TILE_COLS, OUT_PER_PROGRAM = 128, 256, 128
 VARIANTS = ("triton", "mosaic", "mosaic_pdl", "mosaic_pdl_late", "mixed")
-
-
-def _register_mosaic_gpu_lowering():
-    """`plgpu.kernel`'s lowering rule lives in a module that only the CUDA plugin imports; lowering for CUDA from a
-    CPU host (--lower-only) needs it imported by hand."""
-    import jax._src.pallas.mosaic_gpu.pallas_call_registration  # noqa: F401
 
 
 def mosaic_layer(programs: int, pdl: bool, weights_before_wait: bool):
@@ -136,12 +132,10 @@ def chain(variant: str, programs: int, layers: int):
     return run
 
 
-def command_buffer_report(compiled_text: str) -> dict:
-    """Which kernels the optimised HLO places inside command-buffer computations."""
+def custom_call_report(compiled_text: str) -> dict:
+    """The kernels' custom-call targets in the optimised HLO (Triton, Mosaic GPU) and how many calls."""
     custom_calls = re.findall(r'custom_call_target="([^"]+)"', compiled_text)
-    buffers = re.findall(r"command_buffer", compiled_text)
-    return {"custom_call_targets": sorted(set(custom_calls)), "custom_calls": len(custom_calls),
-            "command_buffer_mentions": len(buffers)}
+    return {"custom_call_targets": sorted(set(custom_calls)), "custom_calls": len(custom_calls)}
 
 
 def main(argv=None) -> int:
@@ -168,7 +162,6 @@ def main(argv=None) -> int:
                "variants": {}}
 
     if args.lower_only:
-        _register_mosaic_gpu_lowering()
         for v in variants:
             with pallas_path.lowering_for_gpu():
                 text = chain(v, programs, args.layers).trace(x_shape, w_shapes).lower(
@@ -212,11 +205,11 @@ def main(argv=None) -> int:
                  "us_per_layer": dev * 1e3 / args.layers if dev else None,
                  "GBps": nbytes / (dev * 1e-3) / 1e9 if dev else None,
                  "compile_and_check_s": time.perf_counter() - t0,
-                 **command_buffer_report(compiled.as_text())}
+                 **custom_call_report(compiled.as_text())}
         results["variants"][v] = entry
         print(f"[probe_pdl] {v}: device {dev} ms ({entry['us_per_layer']} us/layer), wall {entry['wall_ms']:.3f} ms,"
               f" {per_step} kernels, kernel median {entry['kernel_us_median']} us, err {err:.2e}, "
-              f"command_buffer mentions {entry['command_buffer_mentions']}", flush=True)
+              f"targets {entry['custom_call_targets']}", flush=True)
         with open(os.path.join(args.out, f"hlo_{v}.txt"), "w") as f:
             f.write(compiled.as_text())
         json.dump(results, open(os.path.join(args.out, "probe_pdl.json"), "w"), indent=1)

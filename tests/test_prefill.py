@@ -120,15 +120,14 @@ def test_router_weights_split_exactly_into_three_bf16_parts():
 
 
 def test_router_logits_agree_with_the_fp32_einsum_to_fp32_rounding():
-    """prefill.router_logits (three exact BF16 parts on the tensor cores) against layers.route's FP32 einsum: the
+    """prefill.router_logits_bf16x3 (three exact BF16 parts on the tensor cores) against layers.router_logits: the
     same FP32 logits up to summation rounding, and the same top-k on random inputs."""
     cfg = FlintConfig.tiny()
     b = jax.random.normal(jax.random.key(6), (97, cfg.hidden_size), jnp.float32).astype(jnp.bfloat16)
     router = jax.random.normal(jax.random.key(7), (cfg.n_routed_experts, cfg.hidden_size), jnp.float32) * 0.05
-    got = P.router_logits(b, router)
-    want = jnp.einsum("nh,eh->ne", b.astype(jnp.float32), router, precision=jax.lax.Precision.HIGHEST)
-    scale = jnp.einsum("nh,eh->ne", jnp.abs(b.astype(jnp.float32)), jnp.abs(router),
-                       precision=jax.lax.Precision.HIGHEST)
+    got = P.router_logits_bf16x3(b, router)
+    want = L.router_logits(b, router)
+    scale = L.router_logits(jnp.abs(b), jnp.abs(router))
     assert got.dtype == jnp.float32
     assert float(jnp.max(jnp.abs(got - want) / scale)) < 2 ** -20  # FP32 summation error over H terms
     bias = jnp.zeros((cfg.n_routed_experts,), jnp.float32)
