@@ -695,6 +695,14 @@ def profile_prefill(runner, params, tokens: np.ndarray, chunk: int, out_dir: str
     if not events:
         return None
     summary = device_trace.summarize(events, 1)
+    # Every kernel, with the trace's own arguments of its first launch (the HLO op it ran, where the trace names
+    # it), so a fusion can be traced back to its source op through an XLA dump (XLA_FLAGS=--xla_dump_to=...).
+    first_args = {}
+    for e in events:
+        first_args.setdefault(e["name"], e.get("args", {}))
+    with open(os.path.join(out_dir, "kernels.json"), "w") as f:
+        json.dump([{**r, "args": first_args.get(r["name"], {})} for r in summary["rows"]], f, indent=1,
+                  default=str)
     parts: dict = {}
     for r in summary["rows"]:
         c = kernel_category(r["name"])
