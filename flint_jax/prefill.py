@@ -63,8 +63,7 @@ def routed_experts(b: jax.Array, moe, ids: jax.Array, num_experts: int, *, inter
     reference=True runs the same steps with the kernels' plain-JAX references (usable on the GPU at 8K tokens)."""
     N, K = ids.shape
     flat = ids.reshape(-1)
-    order = jnp.argsort(flat, stable=True)  # sorted position -> (token, slot) pair
-    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    order, sizes = L.sort_pairs_by_expert(flat, num_experts)  # sorted position -> (token, slot) pair
     swiglu_fn, matmul_fn = ((gm.ref_grouped_swiglu, gm.ref_grouped_matmul) if reference
                             else (gm.grouped_swiglu, gm.grouped_matmul))
     # The gate/up kernel reads each pair's token row by index and the down kernel stores each result at its pair's

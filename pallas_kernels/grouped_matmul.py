@@ -23,6 +23,9 @@ c = s e e m becomes the f16 bit pattern (c & 7) << 9 | (c & 8) << 12, which is e
 E4M3(b) * 2^-8. The f32 product times 2^22 is the weight value, exact in BF16 (at most 6 significant bits), so the
 tensor-core dot sees the same BF16 weights as the reference. A K step of BK bytes of codes covers values
 [c0, c0 + BK) (low nibbles) and [K/2 + c0, K/2 + c0 + BK) (high nibbles): two dots against two x slices.
+That is `Block.decode = "int"`; the default "packed" decode (inline PTX on four code bytes at once, about a third
+of the instructions; see _decode_packed) gives the same BF16 weights times 2^-8, undone in the epilogue. Interpret
+mode cannot run PTX and computes the packed decode's values with array ops instead.
 
 Numerics: FP32 accumulation in tiles of K; the reference sums the same exact products in another order, so a BF16
 output can differ from `ref_grouped_matmul` by one ulp where the FP32 sum sits on a rounding boundary.
@@ -58,6 +61,7 @@ class Block:
     num_warps: int
     num_stages: int
     weights_lhs: bool = False
+    decode: str = "packed"  # NVFP4 only: "packed" (PTX on 4 code bytes at once, see _decode_packed) or "int"
 
 
 # Starting points for the H200 (Hopper wgmma through Triton; scripts/bench_prefill.py sweeps alternatives). 128-row
@@ -193,12 +197,65 @@ def _dequant(codes: jax.Array, scale_bytes: jax.Array, high: bool) -> jax.Array:
     return vals.reshape(bn, bk).astype(BF16)
 
 
+# ---- packed NVFP4 decode ---------------------------------------------------------------------------------------
+# The "int" decode above spends ~10 integer and conversion instructions per weight value on the CUDA cores, as
+# many cycles as the tensor cores spend on the value's 256 products (run Z: the NVFP4 grouped GEMMs take 73 ms of an
+# 8K prefill against 42 ms for BF16 weights). The packed decode works on 32-bit registers holding two BF16 lanes:
+# per 4 code bytes (8 values) two byte permutes spread the bytes over 16-bit lanes; per lane pair, shifts and masks
+# place a nibble's magnitude bits (e e m) in the BF16 exponent/mantissa bits 8..6 and its sign in bit 15, which is
+# exactly E2M1(c) * 2^-126 (the code 0.5 is a BF16 subnormal, still exact); one BF16x2 FMA multiplies by the scale
+# E4M3 * 2^118 (exact in BF16: 4 significant bits, at most 2^126.8). The product is w * 2^-8, exact in BF16 (at most 6
+# significant bits, between 2^-18 and 2^3.4 in magnitude), so the tensor cores see the reference's BF16 weights
+# times 2^-8, and the epilogue multiplies the FP32 accumulator by global_scale * 2^8: the same FP32 products and sums
+# as the "int" decode, up to an exact power of two. About 3.3 instructions per value instead of ~10.
+PACKED_EXP = 8  # the packed decode yields w * 2^-PACKED_EXP
+def _packed_ptx(high: bool) -> str:
+    """PTX for one nibble of 4 code bytes (pack=4, as Triton packs the operands): $0, $1 the 4 BF16 results (two
+    lanes per register), $2 the 4 code bytes (byte i = element i), $3, $4 their 4 BF16 scales. prmt 0x4140 puts
+    byte 0 in lane 0 and byte 1 in lane 1 (zero-extended), 0x4342 bytes 2 and 3. Low nibble: bits 2..0 -> 8..6
+    (<< 6) and bit 3 -> 15 (<< 12); high nibble: bits 6..4 -> 8..6 (<< 2) and bit 7 -> 15 (<< 8); the masks drop
+    what a shift carries into the other lane. (One asm per nibble: jax's lowering of elementwise_inline_asm returns
+    one result.)"""
+    mag, sign = (2, 8) if high else (6, 12)
+    lanes = ""
+    for out, sel, scale in (("$0", "0x4140", "$3"), ("$1", "0x4342", "$4")):
+        lanes += (f"prmt.b32 t, $2, z, {sel};\n"
+                  f"shl.b32 a, t, {mag}; and.b32 a, a, 0x01C001C0; shl.b32 b, t, {sign}; and.b32 b, b, 0x80008000;\n"
+                  f"or.b32 a, a, b; fma.rn.bf16x2 {out}, a, {scale}, n;\n")
+    return "{\n.reg .b32 t, a, b, z, n;\nmov.b32 z, 0;\nmov.b32 n, 0x80008000;\n" + lanes + "}"
+
+
+def _packed_scale(scale_bytes: jax.Array, bk: int) -> jax.Array:
+    """E4M3 scale bytes [bn, bk/16] -> BF16 E4M3 * 2^118 broadcast over each group's 16 values -> [bn, bk]."""
+    b = scale_bytes.astype(jnp.int32)
+    s = (_f16_bits(((b & 0x7F) << 7) | ((b & 0x80) << 8)) * (2.0 ** 126)).astype(BF16)  # E4M3 * 2^-8 * 2^126
+    bn = s.shape[0]
+    return jnp.broadcast_to(s[:, :, None], (bn, bk // GROUP, GROUP)).reshape(bn, bk)
+
+
+def _decode_packed(codes: jax.Array, s_lo: jax.Array, s_hi: jax.Array, *, ptx: bool):
+    """codes uint8 [bn, bk], scales [bn, bk] from _packed_scale -> (low, high nibbles' weights) * 2^-PACKED_EXP,
+    BF16 [bn, bk] each. ptx=False computes the same values with array ops (interpret mode, where inline PTX cannot
+    run): E2M1(c) * (scale * 2^-126), exact in FP32 and in BF16."""
+    if ptx:
+        return tuple(plt.elementwise_inline_asm(_packed_ptx(high), args=[codes, s], constraints="=r,=r,r,r,r",
+                                                pack=4, result_shape_dtypes=[jax.ShapeDtypeStruct(codes.shape, BF16)])[0]
+                     for high, s in ((False, s_lo), (True, s_hi)))
+    c = codes.astype(jnp.int32)
+
+    def value(n):  # E2M1(n) in FP32
+        return _f16_bits(((n & 0x7) << 9) | ((n & 0x8) << 12)) * (2.0 ** 14)
+
+    return ((value(c) * (s_lo.astype(F32) * 2.0 ** -126)).astype(BF16),
+            (value(c >> 4) * (s_hi.astype(F32) * 2.0 ** -126)).astype(BF16))
+
+
 def _dot_t(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [m, k] @ w[n, k].T with an FP32 result."""
     return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=F32)
 
 
-def _kernel(e_ref, r0_ref, lo_ref, hi_ref, x_ref, *refs, kind, n_w, mode, blk, k, gather, scatter):
+def _kernel(e_ref, r0_ref, lo_ref, hi_ref, x_ref, *refs, kind, n_w, mode, blk, k, gather, scatter, interpret):
     o_ref = refs[-1]
     refs = refs[:-1]
     src_ref = dst_ref = None
@@ -227,6 +284,7 @@ def _kernel(e_ref, r0_ref, lo_ref, hi_ref, x_ref, *refs, kind, n_w, mode, blk, k
         def prod(xt, wt_):  # the tile's product, in the accumulator's orientation
             return _dot_t(wt_, xt) if lhs else _dot_t(xt, wt_)
 
+        packed = kind == "nvfp4" and blk.decode == "packed"
         if kind == "nvfp4":
             half = k // 2
             hg = half // GROUP
@@ -239,8 +297,14 @@ def _kernel(e_ref, r0_ref, lo_ref, hi_ref, x_ref, *refs, kind, n_w, mode, blk, k
                 out = []
                 for (codes, scales, _), acc in zip(ws, accs):
                     cb = codes[e, cols, pl.ds(c0, bk)]
-                    w_lo = _dequant(cb, scales[e, cols, pl.ds(g0, bk // GROUP)], high=False)
-                    w_hi = _dequant(cb, scales[e, cols, pl.ds(hg + g0, bk // GROUP)], high=True)
+                    sb_lo = scales[e, cols, pl.ds(g0, bk // GROUP)]
+                    sb_hi = scales[e, cols, pl.ds(hg + g0, bk // GROUP)]
+                    if packed:
+                        w_lo, w_hi = _decode_packed(cb, _packed_scale(sb_lo, bk), _packed_scale(sb_hi, bk),
+                                                    ptx=not interpret)
+                    else:
+                        w_lo = _dequant(cb, sb_lo, high=False)
+                        w_hi = _dequant(cb, sb_hi, high=True)
                     out.append(acc + prod(x_lo, w_lo) + prod(x_hi, w_hi))
                 return tuple(out)
             steps = half // bk
@@ -256,8 +320,8 @@ def _kernel(e_ref, r0_ref, lo_ref, hi_ref, x_ref, *refs, kind, n_w, mode, blk, k
         for wop, acc in zip(ws, accs):
             if lhs:
                 acc = acc.T
-            if kind == "nvfp4":
-                acc = acc * wop[2][e]
+            if kind == "nvfp4":  # (packed: the weights were w * 2^-8, an exact power of two to undo)
+                acc = acc * (wop[2][e] * 2.0 ** PACKED_EXP if packed else wop[2][e])
             ys.append(acc.astype(BF16))
         out = ys[0] if mode == "linear" else L.swiglu(ys[0], ys[1])
         r = row0 + jnp.arange(bm, dtype=jnp.int32)
@@ -317,8 +381,10 @@ def _call(x, ws, group_sizes, *, mode, layout=None, interpret=False, block=None,
     if out_rows is not None:
         operands.append(_index_operand(out_rows, "out_rows", R, Rp, out_size, distinct_padding=True))
     out_len = Rp if out_rows is None else out_size + (Rp - R)
+    if blk.decode not in ("packed", "int"):
+        raise ValueError(f"Block.decode must be 'packed' or 'int', got {blk.decode!r}")
     kernel = functools.partial(_kernel, kind=kind, n_w=len(ws), mode=mode, blk=blk, k=K, gather=rows is not None,
-                               scatter=out_rows is not None)
+                               scatter=out_rows is not None, interpret=interpret)
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((out_len, N), BF16),

@@ -168,8 +168,30 @@ def _kernel(*refs, mode, G, BQ, BK, T, S, W, window, sqrt_d, pv_mode):
         past_ring = (t0 > window - 2).astype(jnp.int32)
         key_lo = past_ring * (W + jnp.maximum(t0 - (window - 1), 0))
         key_hi = W + jnp.minimum(t0 + BQ, T)
+        j_lo = key_lo // BK
         j_hi = jnp.minimum((key_hi + BK - 1) // BK, pl.cdiv(S, BK))
-        carry = jax.lax.fori_loop(key_lo // BK, j_hi, body, carry)
+
+        # Chunk keys that every real query of the block may see need no mask: positions in
+        # [q_max - window + 1, q_min] at or after the chunk's first position pos0 (chunk key t holds pos0 + t, so
+        # position p sits at index W + p - pos0). Whole blocks inside that range skip the mask arithmetic (the
+        # same operations on unmasked scores, so the same results); the blocks before and after keep it.
+        big = jnp.iinfo(jnp.int32).max
+        q_min = jnp.min(jnp.where(qp_tok >= 0, qp_tok, big))
+        q_max = jnp.max(qp_tok)
+        pos0 = qpos_ref[b, pl.ds(0, 1)][0]
+        has_real = q_max >= 0
+        f_lo = W + jnp.maximum(q_max - (window - 1) - pos0, 0)
+        f_hi = jnp.where(has_real, W + q_min - pos0, -1)  # last free key index (inclusive)
+        jf0 = jnp.clip((f_lo + BK - 1) // BK, j_lo, j_hi)
+        jf1 = jnp.clip((f_hi + 1) // BK, jf0, j_hi)
+
+        def free_body(j, carry):
+            s0 = pl.multiple_of(j * BK, BK)
+            return update(carry, scores(k_ref[b, kv, pl.ds(s0, BK), :]), v_ref[b, kv, pl.ds(s0, BK), :])
+
+        carry = jax.lax.fori_loop(j_lo, jf0, body, carry)
+        carry = jax.lax.fori_loop(jf0, jf1, free_body, carry)
+        carry = jax.lax.fori_loop(jf1, j_hi, body, carry)
     else:
         length = len_ref[b]
 

@@ -71,6 +71,22 @@ def timeit(fn, state, reps=10, batches=5):
     return statistics.median(times), state
 
 
+def device_us(fn, copies):
+    """Device time of one call of fn() (which runs an op over `copies` layers): (sum of its kernels' durations per
+    copy, first-kernel-start to last-kernel-end span per copy), in us, from a profiler trace; (None, None) without
+    device events (CPU). Wall-clock timing above includes the host's dispatch of the chained call; this is what
+    the GPU spent, as in the decode step's own trace."""
+    import tempfile
+    from flint_jax import device_trace
+    with tempfile.TemporaryDirectory() as d:
+        events = device_trace.trace_kernels(fn, d)
+    if not events:
+        return None, None
+    total = sum(float(e["dur"]) for e in events)
+    span = device_trace.step_spans(events, 1)[0] * 1e3
+    return total / copies, span / copies
+
+
 def hbm_bandwidth():
     """Streaming read bandwidth (a reduction over 4 GiB) and copy bandwidth (read + write), bytes/s."""
     x = jax.random.normal(jax.random.key(0), (1 << 15, 1 << 16), jnp.bfloat16)  # 4 GiB
@@ -79,8 +95,12 @@ def hbm_bandwidth():
     t_red, _ = timeit(lambda s: (red(x), s[1]), (None, 0), reps=10, batches=5)
     t_cp, _ = timeit(lambda s: (cp(x), s[1]), (None, 0), reps=10, batches=5)
     n = x.size * 2
+    red_dev, _ = device_us(lambda: red(x), 1)
     del x
-    return {"read_GBps": n / t_red / 1e9, "copy_GBps": 2 * n / t_cp / 1e9}
+    out = {"read_GBps": n / t_red / 1e9, "copy_GBps": 2 * n / t_cp / 1e9}
+    if red_dev:
+        out["read_device_GBps"] = n / (red_dev * 1e-6) / 1e9  # the same reduction, kernel time only
+    return out
 
 
 def entry_ops(jitted, *args):
@@ -168,6 +188,7 @@ def bench_decode_attention(cfg, peak, rows, B, context, max_len, copies, splits=
     row = dict(kernel=f"decode_attention full{tag}", shape=f"B={B} Hq={Hq} KV={KV} D={D} splits="
                f"{splits or DA.default_splits(B, KV, False)} max_len={max_len}", context=context,
                us=t * 1e6, GBps=nbytes / t / 1e9, pct_peak=100 * nbytes / t / peak, rel_err=err[0])
+    add_device_time(row, lambda: f(caches), copies, nbytes)
     if ref:
         fr = jax.jit(lambda caches: [DA.ref_decode_attention(q, c, pos, sinks, cfg, False) for c in caches])
         tr, _ = timeit(lambda s: (fr(caches), s[1]), (None, 0), reps=max(2, reps // 3), batches=3)
@@ -175,6 +196,19 @@ def bench_decode_attention(cfg, peak, rows, B, context, max_len, copies, splits=
     rows.append(row)
     log(json.dumps(row))
     del caches
+
+
+DEVICE_PEAK = {}  # the read probe's device-time bandwidth (bytes/s), set by the "bw" section
+
+
+def add_device_time(row, fn, copies, nbytes):
+    """Device us per copy (kernel time, and span) of fn() into row, with GB/s and % of the device-timed probe."""
+    kern, span = device_us(fn, copies)
+    if kern is None:
+        return
+    row.update(device_us=kern, device_span_us=span, device_GBps=nbytes / (kern * 1e-6) / 1e9)
+    if DEVICE_PEAK.get("read"):
+        row["pct_peak_device"] = 100 * nbytes / (kern * 1e-6) / DEVICE_PEAK["read"]
 
 
 def bench_block(cfg, peak, rows, weights, sliding, B, context, copies, reps=10):
@@ -224,6 +258,13 @@ def bench_block(cfg, peak, rows, weights, sliding, B, context, copies, reps=10):
                shape=f"B={B} H={cfg.hidden_size} Hq={cfg.num_attention_heads} KV={KV} D={D}", context=context,
                us=t * 1e6, GBps=nbytes / t / 1e9, pct_peak=100 * nbytes / t / peak, xla_us=tr * 1e6,
                rel_err=err[0], cache_rel_err=kerr[0], ops=ops, ops_ref=ops_ref)
+
+    def traced():  # the timed call again, its caches donated and threaded as above
+        nonlocal caches
+        outs, caches = f(layers, caches)
+        return outs
+
+    add_device_time(row, traced, copies, nbytes)
     rows.append(row)
     log(json.dumps(row))
 
@@ -370,8 +411,11 @@ def main():
         sections = [x for x in sections if x not in ("bw", "tests")]
 
     def bw():
-        peak.update(hbm_bandwidth())
-        result["hbm"] = dict(peak)
+        probe = hbm_bandwidth()
+        if "read_device_GBps" in probe:
+            DEVICE_PEAK["read"] = probe.pop("read_device_GBps") * 1e9
+        peak.update(probe)
+        result["hbm"] = dict(peak, read_device_GBps=DEVICE_PEAK.get("read", 0) / 1e9)
         log("HBM", json.dumps(peak))
 
     section("bw", bw)
@@ -417,11 +461,14 @@ def main():
                     DA.BLOCK_K, DA.NUM_WARPS, DA.NUM_STAGES = old
             section("sweep", variant)
     save()
-    log("\n| kernel | shape | context | us | GB/s | % of peak | XLA ref us | rel err |")
-    log("|---|---|---|---|---|---|---|---|")
+    log("\n| kernel | shape | context | us | GB/s | % of peak | device us | % of device peak | XLA ref us | rel err |")
+    log("|---|---|---|---|---|---|---|---|---|---|")
+    nan = float("nan")
     for r in rows:
         log(f"| {r['kernel']} | {r['shape']} | {r['context']} | {r['us']:.1f} | {r['GBps']:.0f} | "
-            f"{r['pct_peak']:.0f}% | {r.get('xla_us', float('nan')):.1f} | {r.get('rel_err', float('nan')):.1e} |")
+            f"{r['pct_peak']:.0f}% | {r.get('device_us', nan):.1f} | {r.get('pct_peak_device', nan):.0f}% | "
+            f"{r.get('xla_us', nan):.1f} | {r.get('rel_err', nan):.1e} |")
+    log(f"device-timed read probe: {DEVICE_PEAK.get('read', 0) / 1e9:.0f} GB/s")
     log(f"peak (max of read/copy) {P / 1e9:.0f} GB/s; {len(result['errors'])} section errors; "
         f"{time.time() - t0:.0f}s")
     save()

@@ -29,6 +29,7 @@ BF16, F32 = jnp.bfloat16, jnp.float32
 E, N, K = 8, 64, 128
 BLOCK = gm.Block(bm=16, bn=32, bk=32, num_warps=4, num_stages=1)  # several tiles, visits and K steps
 BLOCK_LHS = gm.Block(bm=16, bn=32, bk=32, num_warps=4, num_stages=1, weights_lhs=True)  # W x^T, transposed back
+BLOCK_INT = gm.Block(bm=16, bn=32, bk=32, num_warps=4, num_stages=1, decode="int")  # NVFP4: the integer decode
 
 
 def weights(kind, n=N, k=K, seed=0):
@@ -56,7 +57,7 @@ def inputs(sizes, extra_rows=3):
     return x, sizes, int(sizes.sum())
 
 
-@pytest.mark.parametrize("block", [BLOCK, BLOCK_LHS], ids=["x_lhs", "weights_lhs"])
+@pytest.mark.parametrize("block", [BLOCK, BLOCK_LHS, BLOCK_INT], ids=["x_lhs", "weights_lhs", "int_decode"])
 @pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
 @pytest.mark.parametrize("groups", list(GROUPS))
 def test_grouped_matmul_matches_reference(kind, groups, block):
@@ -71,7 +72,7 @@ def test_grouped_matmul_matches_reference(kind, groups, block):
     assert_same_formulation(ref[:n], L._grouped_linear(x[:n], w, sizes, expert_of_row))
 
 
-@pytest.mark.parametrize("block", [BLOCK, BLOCK_LHS], ids=["x_lhs", "weights_lhs"])
+@pytest.mark.parametrize("block", [BLOCK, BLOCK_LHS, BLOCK_INT], ids=["x_lhs", "weights_lhs", "int_decode"])
 @pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
 @pytest.mark.parametrize("groups", ["uneven_with_empty", "all_on_one_expert"])
 def test_grouped_swiglu_matches_reference(kind, groups, block):
