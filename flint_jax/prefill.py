@@ -8,11 +8,11 @@ Same signatures and results as model.attention_block and layers.mlp_block (FLINT
                pallas_kernels.prefill_attention (sliding: the ring before the chunk + the chunk; full: the cache after
                writing the chunk, up to lengths_after), then Wo and the residual. The chunk's K/V are written with
                state.write_ring / state.write_full, exactly as the reference does.
-    MoE:       rmsnorm, routing (layers.route_from_logits on `router_logits_bf16x3`: FP32 logits from three exact BF16
-               parts of the router on the tensor cores), (token, slot) pairs sorted by expert, grouped_swiglu (gate
-               and up fused, token rows gathered by index) and grouped_matmul (down, results scattered to their
-               (token, slot) rows) over only the selected experts, the routing-weighted FP32 sum with the shared
-               expert, rounded once. Dense layers (the first two) are layers.mlp_block: one GEMM each.
+    MoE:       rmsnorm, routing (pallas_kernels.router.top_k_experts, layers.route_from_logits' selection, on
+               `router_logits_bf16x3`: FP32 logits from three exact BF16 parts of the router on the tensor cores),
+               (token, slot) pairs sorted by expert, grouped_swiglu (gate and up fused, token rows gathered by index)
+               and grouped_matmul (down, results scattered to their (token, slot) rows) over only the selected
+               experts, the routing-weighted FP32 sum with the shared expert, rounded once. Dense layers (the first two) are layers.mlp_block: one GEMM each.
 
 `interpret=None` picks Pallas interpret mode when JAX's default backend is the CPU. `blocks()` returns a
 model.Blocks for model_step.
@@ -27,6 +27,7 @@ from flint_jax import layers as L
 from flint_jax.config import FlintConfig
 from flint_jax.pallas_kernels import grouped_matmul as gm
 from flint_jax.pallas_kernels import prefill_attention as pa
+from flint_jax.pallas_kernels import router as R
 from flint_jax.state import write_full, write_ring
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -104,7 +105,8 @@ def moe_mlp(b: jax.Array, moe, cfg: FlintConfig, *, interpret: bool = False,
     if reference:
         ids, w = L.route(flat, moe.router, moe.router_bias, cfg)
     else:
-        ids, w = L.route_from_logits(router_logits_bf16x3(flat, moe.router), moe.router_bias, cfg)
+        ids, w = R.top_k_experts(router_logits_bf16x3(flat, moe.router), moe.router_bias, cfg, interpret=interpret,
+                                 rows=R.PREFILL_ROWS)
     outs = routed_experts(flat, moe, ids, cfg.n_routed_experts, interpret=interpret, blocks=blocks,
                           reference=reference)
     y = jnp.einsum("nk,nkh->nh", w, outs.astype(F32))

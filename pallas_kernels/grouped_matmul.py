@@ -75,12 +75,13 @@ NVFP4_LINEAR_LHS = Block(128, 64, 64, 4, 3, weights_lhs=True)
 BLOCKS = {
     ("bf16", "linear"): Block(128, 128, 64, 8, 3),
     ("bf16", "swiglu"): Block(128, 128, 64, 8, 3),
-    # NVFP4_LINEAR_LHS: 1.235 -> 0.940 ms per layer at 8K tokens against (128, 128, 64), 8 warps (run L,
-    # docs/BENCHMARKS.md); checked against the reference compiled on the H200 in run N.
-    ("nvfp4", "linear"): NVFP4_LINEAR_LHS,
+    # With the packed decode (run AE, one layer at 8K tokens): 256-row tiles, the weights as the dot's right operand,
+    # 0.687 ms per layer, against 0.869 for NVFP4_LINEAR_LHS packed and 0.780 for it with the integer decode (the
+    # table's entry since run L, where it beat (128, 128, 64): 1.235 -> 0.940 ms).
+    ("nvfp4", "linear"): Block(256, 64, 64, 8, 3),
     # 256-row tiles: an expert's ~190 rows in one visit, so each weight tile is decoded once (the decode is integer
-    # work on the CUDA cores, this kernel's bottleneck) at the price of ~33% idle tensor-core rows: 1.577 -> 1.016 ms
-    # per layer at 8K tokens (run X, docs/BENCHMARKS.md).
+    # work on the CUDA cores) at the price of ~33% idle tensor-core rows: 1.577 -> 1.016 ms per layer at 8K tokens
+    # (run X, docs/BENCHMARKS.md); the packed decode 1.031 against 1.082 ms for the integer one (run AE).
     ("nvfp4", "swiglu"): Block(256, 64, 64, 8, 3),
 }
 

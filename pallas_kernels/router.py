@@ -170,30 +170,44 @@ def router_logits(h: jax.Array, router: jax.Array, *, norm_weight: jax.Array | N
     return outs[0][:m], outs[1][:m], outs[2][:m], outs[3][:m]
 
 
-def _topk_kernel(logits_ref, bias_ref, ids_ref, w_ref, *, k, kp, norm, scaling):
+def _topk_kernel(logits_ref, bias_ref, ids_ref, w_ref, *, k, kp, rows, norm, scaling):
     t = pl.program_id(0)
-    ids_ref[...], w_ref[...] = select_experts_rows(logits_ref[pl.ds(t, 1), :], bias_ref[...], k, kp, norm, scaling)
+    ids_ref[...], w_ref[...] = select_experts_rows(logits_ref[pl.ds(t * rows, rows), :], bias_ref[...], k, kp, norm,
+                                                   scaling)
 
 
-def top_k_experts(logits: jax.Array, bias: jax.Array, cfg: FlintConfig, *, interpret: bool = False):
-    """Sigmoid top-k of FP32 logits [M, E] (select_experts_rows, one program per token) -> (ids [M, k], weights
-    [M, k])."""
+# Tokens per program of top_k_experts for many tokens (a prefill chunk): XLA's lax.top_k there is a full sort of
+# each token's 256 scores, 68 us per 8K-token layer on the H200 (run AD, docs/BENCHMARKS.md).
+PREFILL_ROWS = 16
+
+
+def top_k_experts(logits: jax.Array, bias: jax.Array, cfg: FlintConfig, *, interpret: bool = False,
+                  rows: int = 1):
+    """Sigmoid top-k of FP32 logits [M, E] (select_experts_rows, `rows` tokens per program, a power of two) ->
+    (ids [M, k] int32, weights [M, k] f32): layers.route_from_logits' ids, and its weights to FP32 rounding (the
+    k scores are summed in slot order)."""
     m, e = logits.shape
+    if rows < 1 or rows & (rows - 1):
+        raise ValueError(f"rows must be a power of two, got {rows}")
     k = cfg.num_experts_per_tok
     kp = wt.pow2_rows(k)
-    kernel = functools.partial(_topk_kernel, k=k, kp=kp, norm=bool(cfg.norm_topk_prob),
+    mp = -(-m // rows) * rows
+    logits = logits.astype(F32)
+    if mp != m:  # padding rows select something; they are cut off below
+        logits = jnp.pad(logits, ((0, mp - m), (0, 0)))
+    kernel = functools.partial(_topk_kernel, k=k, kp=kp, rows=rows, norm=bool(cfg.norm_topk_prob),
                                scaling=float(cfg.routed_scaling_factor))
     ids, w = pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct((m, kp), jnp.int32), jax.ShapeDtypeStruct((m, kp), F32)),
-        grid=(m,),
+        out_shape=(jax.ShapeDtypeStruct((mp, kp), jnp.int32), jax.ShapeDtypeStruct((mp, kp), F32)),
+        grid=(mp // rows,),
         in_specs=[pl.no_block_spec] * 2,
-        out_specs=(pl.BlockSpec((1, kp), lambda t: (t, 0)), pl.BlockSpec((1, kp), lambda t: (t, 0))),
+        out_specs=(pl.BlockSpec((rows, kp), lambda t: (t, 0)), pl.BlockSpec((rows, kp), lambda t: (t, 0))),
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="router_top_k",
-    )(logits.astype(F32), bias.astype(F32))
-    return ids[:, :k], w[:, :k]
+    )(logits, bias.astype(F32))
+    return ids[:m, :k], w[:m, :k]
 
 
 def route(h: jax.Array, router: jax.Array, bias: jax.Array, cfg: FlintConfig, *,

@@ -124,6 +124,22 @@ def test_route_top_k_ties_and_bias(case, in_router):
         np.testing.assert_array_equal(np.asarray(ids[0]), [1, 2, 4, 9, 15, 5])
 
 
+@pytest.mark.parametrize("rows", [1, 4, 16])
+def test_top_k_experts_several_tokens_per_program(rows):
+    """The prefill form (`rows` tokens per program, 11 tokens: the last program padded) selects what
+    layers.route_from_logits selects, ties included (repeated logits and biases), with its weights to FP32
+    rounding."""
+    logits = jax.random.normal(jax.random.key(rows), (11, CFG.n_routed_experts), F32)
+    logits = logits.at[3].set(0.25).at[7, :4].set(logits[7, 8])  # an all-tied row, and a tie at the top
+    bias = jnp.zeros((CFG.n_routed_experts,), F32).at[1].set(0.5).at[2].set(0.5)
+    ids, w = R.top_k_experts(logits, bias, CFG, interpret=INTERPRET, rows=rows)
+    ref_ids, ref_w = layers.route_from_logits(logits, bias, CFG)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(ref_ids))
+    np.testing.assert_allclose(np.asarray(w), np.asarray(ref_w), rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="power of two"):
+        R.top_k_experts(logits, bias, CFG, interpret=INTERPRET, rows=3)
+
+
 @pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
 @pytest.mark.parametrize("m", [1, 3, 8])
 def test_moe_block_matches_mlp_block(kind, m):

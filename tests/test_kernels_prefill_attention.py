@@ -94,6 +94,30 @@ def test_ring_attention_matches_reference(window, sinks, lengths):
     assert_close(out, ref, np.asarray(valid), (v, hv), pv_mode(BLOCK))
 
 
+def test_ring_attention_long_chunk_skips_masks_only_where_every_query_sees():
+    """A chunk much longer than the window (96 tokens, window 40, 16-key blocks): late query blocks have whole
+    chunk-key blocks that need no mask, bounded by the window on one side and causality on the other; rows with a
+    wrapped ring before them and a row with padding."""
+    Tl, window = 96, 40
+    ks = jax.random.split(jax.random.key(11), 5)
+    q = jax.random.normal(ks[0], (B, Tl, Hq, D), F32).astype(BF16)
+    k = jax.random.normal(ks[1], (B, Tl, KV, D), F32).astype(BF16)
+    v = jax.random.normal(ks[2], (B, Tl, KV, D), F32).astype(BF16)
+    hist, n_new = jnp.array([57, 0]), jnp.array([Tl, 70])
+    t = jnp.arange(Tl)[None]
+    positions, valid = hist[:, None] + t, t < n_new[:, None]
+    hk = jax.random.normal(ks[3], (B, 57, KV, D), F32).astype(BF16)
+    hv = jax.random.normal(ks[4], (B, 57, KV, D), F32).astype(BF16)
+    hpos = jnp.broadcast_to(jnp.arange(57), (B, 57))
+    ring = write_ring(RingCache(jnp.zeros((B, KV, window, D), BF16), jnp.zeros((B, KV, window, D), BF16),
+                                jnp.full((B, window), -1, jnp.int32)), hk, hv, hpos, hpos < hist[:, None])
+    q_pos = jnp.where(valid, positions, -1)
+    sk = jnp.asarray(MIXED_SINKS, F32)
+    out = pa.ring_attention(q, k, v, q_pos, ring, sk, window, interpret=INTERPRET, block=BLOCK)
+    ref = reference(pa.ref_ring_attention, q, k, v, q_pos, ring, sk, window)
+    assert_close(out, ref, np.asarray(valid), (v, hv), pv_mode(BLOCK))
+
+
 @pytest.mark.parametrize("sinks", list(SINKS))
 @pytest.mark.parametrize("lengths", list(LENGTHS))
 def test_full_attention_matches_reference(sinks, lengths):

@@ -101,7 +101,7 @@ def test_blocks_lower_for_the_gpu_at_flint_shape(monkeypatch):
              (h, layers[2], ring, pos, valid, la), 1),
             (lambda h, l, c, p, v, n: P.attention_block(h, l, c, p, v, n, cfg, False, interpret=False),
              (h, layers[3], full, pos, valid, la), 1),
-            (lambda h, l: P.mlp_block(h, l, cfg, interpret=False), (h, layers[2]), 2),
+            (lambda h, l: P.mlp_block(h, l, cfg, interpret=False), (h, layers[2]), 3),  # top-k, gate/up, down
         ]
         for fn, args, n_kernels in cases:
             text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
