@@ -107,6 +107,26 @@ def test_down_projection_shape_with_default_blocks(scale):
     assert_bf16_close(out, gm.ref_grouped_matmul(x, w, sizes))
 
 
+@pytest.mark.parametrize("decode", ["packed", "int"])
+@pytest.mark.parametrize("mode", ["swiglu", "linear"])
+@pytest.mark.parametrize("k", [64, 128])
+def test_nvfp4_decodes_at_the_few_rows_blocks(decode, mode, k):
+    """NVFP4 through the few-rows table's blocks (what a tiny model's prefill uses: 64 x 32-byte tiles at K = 64)
+    with either decode, rows gathered in and scattered out as prefill passes them."""
+    x, sizes, n = inputs(GROUPS["uneven_with_empty"], extra_rows=0)
+    x = jax.random.normal(jax.random.key(3), (n, k), F32).astype(BF16)
+    blk = dataclasses.replace(gm.BLOCKS_FEW_ROWS[("nvfp4", mode)], decode=decode)
+    rows = jax.random.permutation(jax.random.key(4), n).astype(jnp.int32)
+    if mode == "swiglu":
+        g, u = weights("nvfp4", k=k, seed=5), weights("nvfp4", k=k, seed=6)
+        out = gm.grouped_swiglu(x, g, u, sizes, interpret=INTERPRET, block=blk, rows=rows)
+        assert_bf16_close(out, gm.ref_grouped_swiglu(x, g, u, sizes, rows=rows), max_ulp=2)
+    else:
+        w = weights("nvfp4", k=k, seed=7)
+        out = gm.grouped_matmul(x, w, sizes, interpret=INTERPRET, block=blk, out_rows=rows, out_size=n)
+        assert_bf16_close(out, gm.ref_grouped_matmul(x, w, sizes, out_rows=rows, out_size=n))
+
+
 @pytest.mark.parametrize("groups", list(GROUPS))
 def test_layout_visits_cover_each_row_once(groups):
     sizes = jnp.asarray(GROUPS[groups], jnp.int32)
