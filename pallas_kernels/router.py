@@ -32,13 +32,15 @@ from flint_jax.pallas_kernels import weight_tiles as wt
 F32, BF16 = jnp.float32, jnp.bfloat16
 
 
-def _top_k_rounds(logits: jax.Array, bias: jax.Array, k: int, norm_topk_prob: bool, scaling: float):
+def _top_k_rounds(logits: jax.Array, bias: jax.Array, k: int, norm_topk_prob: bool, scaling: float,
+                  scores_given: bool = False):
     """k rounds of max / first index / mask over the last axis of logits ([E], or [R, E] per row): (k ids, k weights),
     each a scalar or an [R] vector. Selection by sigmoid score + bias, ties to the lower index; weights from the
-    unbiased score, normalised over the k and scaled (layers.route)."""
+    unbiased score, normalised over the k and scaled (layers.route). scores_given: `logits` already holds the
+    sigmoid scores."""
     axis = None if logits.ndim == 1 else 1
     keep = (lambda v: v) if axis is None else (lambda v: v[:, None])  # a per-row value against its row
-    scores = 1.0 / (1.0 + jnp.exp(-logits))
+    scores = logits if scores_given else 1.0 / (1.0 + jnp.exp(-logits))
     sel = scores + bias
     iota = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
     ids, ws = [], []
@@ -63,11 +65,12 @@ def select_experts(logits: jax.Array, bias: jax.Array, k: int, norm_topk_prob: b
     return _top_k_rounds(logits, bias, k, norm_topk_prob, scaling)
 
 
-def select_experts_rows(logits: jax.Array, bias: jax.Array, k: int, kp: int, norm_topk_prob: bool, scaling: float):
+def select_experts_rows(logits: jax.Array, bias: jax.Array, k: int, kp: int, norm_topk_prob: bool, scaling: float,
+                        scores_given: bool = False):
     """select_experts for every row of logits [R, E] at once -> (ids [R, kp] int32, weights [R, kp] f32), slots
     past k zero. The same operations in the same order per row, so the same ids and bit-identical weights."""
     r = logits.shape[0]
-    ids, ws = _top_k_rounds(logits, bias, k, norm_topk_prob, scaling)
+    ids, ws = _top_k_rounds(logits, bias, k, norm_topk_prob, scaling, scores_given)
     slot = jax.lax.broadcasted_iota(jnp.int32, (r, kp), 1)
     id_out, w_out = jnp.zeros((r, kp), jnp.int32), jnp.zeros((r, kp), F32)
     for s in range(k):
@@ -170,10 +173,10 @@ def router_logits(h: jax.Array, router: jax.Array, *, norm_weight: jax.Array | N
     return outs[0][:m], outs[1][:m], outs[2][:m], outs[3][:m]
 
 
-def _topk_kernel(logits_ref, bias_ref, ids_ref, w_ref, *, k, kp, rows, norm, scaling):
+def _topk_kernel(logits_ref, bias_ref, ids_ref, w_ref, *, k, kp, rows, norm, scaling, scores_given):
     t = pl.program_id(0)
     ids_ref[...], w_ref[...] = select_experts_rows(logits_ref[pl.ds(t * rows, rows), :], bias_ref[...], k, kp, norm,
-                                                   scaling)
+                                                   scaling, scores_given)
 
 
 # Tokens per program of top_k_experts for many tokens (a prefill chunk): XLA's lax.top_k there is a full sort of
@@ -182,10 +185,12 @@ PREFILL_ROWS = 16
 
 
 def top_k_experts(logits: jax.Array, bias: jax.Array, cfg: FlintConfig, *, interpret: bool = False,
-                  rows: int = 1):
+                  rows: int = 1, scores_given: bool = False):
     """Sigmoid top-k of FP32 logits [M, E] (select_experts_rows, `rows` tokens per program, a power of two) ->
     (ids [M, k] int32, weights [M, k] f32): layers.route_from_logits' ids, and its weights to FP32 rounding (the
-    k scores are summed in slot order)."""
+    k scores are summed in slot order). scores_given: `logits` holds jax.nn.sigmoid(logits) already (computed by
+    XLA, as layers.route_from_logits does: then the selection sees the very same scores; the kernel's own sigmoid
+    uses the GPU's fast exponential, whose last bits can flip a near-tie)."""
     m, e = logits.shape
     if rows < 1 or rows & (rows - 1):
         raise ValueError(f"rows must be a power of two, got {rows}")
@@ -196,7 +201,7 @@ def top_k_experts(logits: jax.Array, bias: jax.Array, cfg: FlintConfig, *, inter
     if mp != m:  # padding rows select something; they are cut off below
         logits = jnp.pad(logits, ((0, mp - m), (0, 0)))
     kernel = functools.partial(_topk_kernel, k=k, kp=kp, rows=rows, norm=bool(cfg.norm_topk_prob),
-                               scaling=float(cfg.routed_scaling_factor))
+                               scaling=float(cfg.routed_scaling_factor), scores_given=scores_given)
     ids, w = pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((mp, kp), jnp.int32), jax.ShapeDtypeStruct((mp, kp), F32)),

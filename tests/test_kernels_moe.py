@@ -132,10 +132,12 @@ def test_top_k_experts_several_tokens_per_program(rows):
     logits = jax.random.normal(jax.random.key(rows), (11, CFG.n_routed_experts), F32)
     logits = logits.at[3].set(0.25).at[7, :4].set(logits[7, 8])  # an all-tied row, and a tie at the top
     bias = jnp.zeros((CFG.n_routed_experts,), F32).at[1].set(0.5).at[2].set(0.5)
-    ids, w = R.top_k_experts(logits, bias, CFG, interpret=INTERPRET, rows=rows)
     ref_ids, ref_w = layers.route_from_logits(logits, bias, CFG)
-    np.testing.assert_array_equal(np.asarray(ids), np.asarray(ref_ids))
-    np.testing.assert_allclose(np.asarray(w), np.asarray(ref_w), rtol=1e-6, atol=1e-7)
+    for ids, w in (R.top_k_experts(logits, bias, CFG, interpret=INTERPRET, rows=rows),
+                   R.top_k_experts(jax.nn.sigmoid(logits), bias, CFG, interpret=INTERPRET, rows=rows,
+                                   scores_given=True)):
+        np.testing.assert_array_equal(np.asarray(ids), np.asarray(ref_ids))
+        np.testing.assert_allclose(np.asarray(w), np.asarray(ref_w), rtol=1e-6, atol=1e-7)
     with pytest.raises(ValueError, match="power of two"):
         R.top_k_experts(logits, bias, CFG, interpret=INTERPRET, rows=3)
 
