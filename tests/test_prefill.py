@@ -11,7 +11,7 @@ from flint_jax import prefill as P
 from flint_jax.config import FlintConfig
 from flint_jax.pallas_kernels import prefill_attention as pa
 from flint_jax.params import init_params
-from flint_jax.state import init_state
+from flint_jax.state import RingCache, init_state
 
 
 def _blocks(impl, T):
@@ -44,6 +44,42 @@ def run_chunks(step, params, cfg, tokens, chunks, n_valid=None, max_len=48):
     return jnp.concatenate(outs, axis=1), state
 
 
+# Compiled on a GPU, the kernels sum in FP32 in another order than XLA's reference (key blocks, K tiles), which can
+# flip the last bit of a BF16 intermediate. Through this random tiny model that is harmless except where a token's
+# routing is a near tie: there a flipped bit can swap an expert and move the token's logits far beyond any rounding
+# tolerance (H200, runs AF and AH of docs/BENCHMARKS.md: token 10 of the window-16 NVFP4 case, whose second MoE
+# layer ranks its 2nd and 3rd experts 5.4e-3 apart). Random tiny models have such ties everywhere (the smallest
+# margin over this test's tokens is 1e-4 to 2e-3 for 12 parameter seeds), so compiled runs may excuse a token that
+# differs if the reference routes it with a margin below NEAR_TIE. Interpret mode (CI) excuses nothing.
+NEAR_TIE = 1e-2
+COMPILED = jax.default_backend() != "cpu"
+
+
+def near_tie_tokens(params, tokens, cfg, n_valid):
+    """[B, N] bool: tokens whose routing in the reference forward has a near tie (the k-th and (k+1)-th selection
+    scores, sigmoid + bias, less than NEAR_TIE apart) in some MoE layer."""
+    out = np.zeros(tokens.shape, bool)
+    real_route = L.route
+    for b, n in enumerate(n_valid):
+        gaps = []
+
+        def spy(x, router, bias, cfg_):
+            s = jax.nn.sigmoid(L.router_logits(x, router)) + bias.astype(jnp.float32)
+            top = -jnp.sort(-s, axis=-1)
+            k = cfg_.num_experts_per_tok
+            gaps.append(np.asarray(top[..., k - 1] - top[..., k]).reshape(-1))
+            return real_route(x, router, bias, cfg_)
+
+        L.route = spy
+        try:
+            with jax.disable_jit():
+                M.forward(params, tokens[b:b + 1, :n], cfg)
+        finally:
+            L.route = real_route
+        out[b, :n] = np.min(np.stack(gaps), axis=0) < NEAR_TIE
+    return out
+
+
 def assert_logits_close(got, ref):
     # The kernels round at the reference's BF16 points; FP32 sums run in another order (K tiles, key blocks, the
     # split P @ V), which can flip a last BF16 bit of an intermediate and show in later layers.
@@ -63,18 +99,34 @@ def test_chunked_prefill_equals_reference_forward(prefill_step, window, weights,
     tokens = jax.random.randint(jax.random.key(1), (2, 23), 0, cfg.vocab_size)
     got, state = run_chunks(prefill_step, params, cfg, tokens, chunks, n_valid)
     np.testing.assert_array_equal(np.asarray(state.lengths), n_valid)
+    excused = near_tie_tokens(params, tokens, cfg, n_valid) if COMPILED else np.zeros(tokens.shape, bool)
     for b, n in enumerate(n_valid):
-        assert_logits_close(got[b:b + 1, :n], M.forward(params, tokens[b:b + 1, :n], cfg))
-    # The K/V written are the reference's (same projections, same write functions).
+        g, r = np.asarray(got[b, :n]), np.asarray(M.forward(params, tokens[b:b + 1, :n], cfg)[0])
+        off = np.any(np.abs(g - r) > 2e-2 * np.abs(r).max(), axis=-1)  # tokens beyond the tolerance
+        assert not np.any(off & ~excused[b, :n]), f"row {b}: tokens {np.flatnonzero(off & ~excused[b, :n])} differ"
+        assert off.sum() <= 2, f"row {b}: {off.sum()} near-tie tokens differ"
+        assert_logits_close(g[None, ~off], r[None, ~off])
+    # The K/V written are the reference's (same projections, same write functions), except at excused tokens.
     ref_step = jax.jit(M.model_step, static_argnames=("cfg", "impl"))
     ref_state, pos = init_state(cfg, 2, 48), 0
     for T in chunks:
         n_new = jnp.asarray(np.clip(np.asarray(n_valid) - pos, 0, T), jnp.int32)
         _, ref_state = ref_step(params, ref_state, tokens[:, pos:pos + T], n_new, cfg, impl="xla")
         pos += T
-    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(ref_state)):
-        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-        assert np.abs(a - b).max() <= 2e-2 * max(1.0, float(np.abs(b).max()))
+    for got_c, ref_c in zip(state.layers, ref_state.layers):
+        if isinstance(ref_c, RingCache):
+            np.testing.assert_array_equal(np.asarray(got_c.pos), np.asarray(ref_c.pos))
+            slot_pos = np.asarray(ref_c.pos)  # [B, W]
+        else:
+            slot_pos = np.broadcast_to(np.arange(ref_c.k.shape[2]), (ref_c.k.shape[0], ref_c.k.shape[2]))
+        skip = np.zeros(slot_pos.shape, bool)
+        for b in range(slot_pos.shape[0]):
+            tie_pos = np.flatnonzero(excused[b])
+            skip[b] = np.isin(slot_pos[b], tie_pos)
+        for a, c in ((got_c.k, ref_c.k), (got_c.v, ref_c.v)):
+            a, c = np.asarray(a, np.float32), np.asarray(c, np.float32)
+            keep = ~skip[:, None, :, None]
+            assert np.abs(np.where(keep, a - c, 0)).max() <= 2e-2 * max(1.0, float(np.abs(c).max()))
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
