@@ -12,7 +12,8 @@ Same signatures and results as model.attention_block and layers.mlp_block (FLINT
                `router_logits_bf16x3`: FP32 logits from three exact BF16 parts of the router on the tensor cores),
                (token, slot) pairs sorted by expert, grouped_swiglu (gate and up fused, token rows gathered by index)
                and grouped_matmul (down, results scattered to their (token, slot) rows) over only the selected
-               experts, the routing-weighted FP32 sum with the shared expert, rounded once. Dense layers (the first two) are layers.mlp_block: one GEMM each.
+               experts, the routing-weighted FP32 sum with the shared expert, rounded once. Dense layers (the first
+               two) are layers.mlp_block: one GEMM each.
 
 `interpret=None` picks Pallas interpret mode when JAX's default backend is the CPU. `blocks()` returns a
 model.Blocks for model_step.
