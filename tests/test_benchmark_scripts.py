@@ -91,3 +91,16 @@ def test_mosaic_gpu_probes_lower_for_cuda(tmp_path):
     gemv = json.loads((tmp_path / "gemv" / "probe_mosaic_gemv.json").read_text())
     assert gemv["shapes"]["o_proj bf16"]["mosaic_s2"]["lowered_chars"] > 0
     assert gemv["shapes"]["o_proj nvfp4"]["mosaic_s2"]["lowered_chars"] > 0
+
+
+def test_bench_kernels_attention_smoke(tmp_path):
+    """The attention benchmark's CPU smoke mode: every decode-attention and attention-block case on tiny shapes in
+    interpret mode, each within its tolerance of the XLA reference; no device events, so no device time."""
+    run_script("bench_kernels_attention.py", "--smoke", "--quick", "--skip-tests", "--sections", "attn,block",
+               "--out", str(tmp_path))
+    res = json.loads((tmp_path / "attention_bench.json").read_text())
+    assert res["errors"] == []
+    checked = [r for r in res["rows"] if "rel_err" in r]
+    assert len(checked) >= 9  # 5 decode-attention contexts/batches, 4 attention blocks
+    assert all(r["rel_err"] < 1e-2 for r in checked)
+    assert all("device_us" not in r for r in res["rows"])
