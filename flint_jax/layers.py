@@ -164,19 +164,12 @@ def _grouped_linear(x: jax.Array, w: Linear, group_sizes: jax.Array, expert_of_r
 
 
 def sort_pairs_by_expert(flat: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
-    """(order, sizes) for expert ids flat [P]: order [P] int32 the stable argsort of flat (sorted position -> pair),
-    sizes [num_experts] int32 the pairs per expert. Each pair's key is its expert id above its own index, so the
-    keys are distinct and one plain sort of unsigned integers gives the stable order (a cub radix sort on the GPU,
-    as XLA also made of the stable argsort: run AD). The counts are a compare-and-sum, one fused reduction, where
-    bincount was a scatter-add (0.7 ms per 8K prefill on the H200, run AD in docs/BENCHMARKS.md)."""
-    P = flat.shape[0]
-    shift = max(1, (P - 1).bit_length())
-    if max(1, (num_experts - 1).bit_length()) + shift > 32:  # keys would not fit 32 bits
-        return (jnp.argsort(flat, stable=True).astype(jnp.int32),
-                jnp.bincount(flat, length=num_experts).astype(jnp.int32))
+    """(order, sizes) for expert ids flat [P]: order [P] int32 the stable argsort of flat (sorted position -> pair;
+    XLA on the GPU runs it as a cub radix sort), sizes [num_experts] int32 the pairs per expert, as a
+    compare-and-sum: one fused reduction, where bincount was a scatter-add (0.7 ms per 8K prefill on the H200,
+    run AD in docs/BENCHMARKS.md)."""
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
     sizes = jnp.sum(flat[None, :] == jnp.arange(num_experts, dtype=flat.dtype)[:, None], axis=1, dtype=jnp.int32)
-    keys = (flat.astype(jnp.uint32) << shift) | jnp.arange(P, dtype=jnp.uint32)
-    order = (jax.lax.sort(keys) & jnp.uint32((1 << shift) - 1)).astype(jnp.int32)
     return order, sizes
 
 

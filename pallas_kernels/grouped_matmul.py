@@ -44,6 +44,7 @@ from jax.experimental.pallas import triton as plt
 from flint_jax import layers as L
 from flint_jax import nvfp4
 from flint_jax.nvfp4 import NVFP4Weight
+from flint_jax.pallas_kernels import weight_tiles as wt
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 GROUP = nvfp4.BLOCK  # values per E4M3 scale
@@ -195,8 +196,7 @@ def _dequant(codes: jax.Array, scale_bytes: jax.Array, high: bool) -> jax.Array:
     if high:
         c = c >> 4
     v = _f16_bits(((c & 0x7) << 9) | ((c & 0x8) << 12))  # E2M1 * 2^-14
-    b = scale_bytes.astype(jnp.int32)
-    s = _f16_bits(((b & 0x7F) << 7) | ((b & 0x80) << 8)) * (2.0 ** 22)  # E4M3 * 2^22
+    s = wt.decode_scales(scale_bytes)  # E4M3 * 2^14, which cancels the codes' 2^-14
     bn, bk = v.shape
     vals = v.reshape(bn, bk // GROUP, GROUP) * s[:, :, None]
     return vals.reshape(bn, bk).astype(BF16)
@@ -234,8 +234,7 @@ def _packed_ptx(high: bool) -> str:
 
 def _packed_scale(scale_bytes: jax.Array, bk: int) -> jax.Array:
     """E4M3 scale bytes [bn, bk/16] -> BF16 E4M3 * 2^118 broadcast over each group's 16 values -> [bn, bk]."""
-    b = scale_bytes.astype(jnp.int32)
-    s = (_f16_bits(((b & 0x7F) << 7) | ((b & 0x80) << 8)) * (2.0 ** 126)).astype(BF16)  # E4M3 * 2^-8 * 2^126
+    s = (wt.decode_scales(scale_bytes) * (2.0 ** 104)).astype(BF16)  # E4M3 * 2^14 * 2^104, exact
     bn = s.shape[0]
     return jnp.broadcast_to(s[:, :, None], (bn, bk // GROUP, GROUP)).reshape(bn, bk)
 
@@ -249,13 +248,9 @@ def _decode_packed(codes: jax.Array, s_lo: jax.Array, s_hi: jax.Array, *, ptx: b
         return tuple(plt.elementwise_inline_asm(_packed_ptx(high), args=[codes, s], constraints="=r,=r,r,r,r",
                                                 pack=4, result_shape_dtypes=[out])[0]
                      for high, s in ((False, s_lo), (True, s_hi)))
-    c = codes.astype(jnp.int32)
-
-    def value(n):  # E2M1(n) in FP32
-        return _f16_bits(((n & 0x7) << 9) | ((n & 0x8) << 12)) * (2.0 ** 14)
-
-    return ((value(c) * (s_lo.astype(F32) * 2.0 ** -126)).astype(BF16),
-            (value(c >> 4) * (s_hi.astype(F32) * 2.0 ** -126)).astype(BF16))
+    lo, hi = wt.decode_codes(codes)  # E2M1 * 2^-14, FP32
+    return ((lo * (s_lo.astype(F32) * 2.0 ** -112)).astype(BF16),
+            (hi * (s_hi.astype(F32) * 2.0 ** -112)).astype(BF16))
 
 
 def _dot_t(x: jax.Array, w: jax.Array) -> jax.Array:

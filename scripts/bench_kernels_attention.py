@@ -82,9 +82,8 @@ def device_us(fn, copies):
         events = device_trace.trace_kernels(fn, d)
     if not events:
         return None, None
-    total = sum(float(e["dur"]) for e in events)
-    span = device_trace.step_spans(events, 1)[0] * 1e3
-    return total / copies, span / copies
+    summary = device_trace.summarize(events, 1)
+    return summary["kernel_us_per_step"] / copies, summary["step_spans_ms"][0] * 1e3 / copies
 
 
 def hbm_bandwidth():

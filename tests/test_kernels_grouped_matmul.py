@@ -113,7 +113,7 @@ def test_down_projection_shape_with_default_blocks(scale):
 def test_nvfp4_decodes_at_the_few_rows_blocks(decode, mode, k):
     """NVFP4 through the few-rows table's blocks (what a tiny model's prefill uses: 64 x 32-byte tiles at K = 64)
     with either decode, rows gathered in and scattered out as prefill passes them."""
-    x, sizes, n = inputs(GROUPS["uneven_with_empty"], extra_rows=0)
+    _, sizes, n = inputs(GROUPS["uneven_with_empty"], extra_rows=0)
     x = jax.random.normal(jax.random.key(3), (n, k), F32).astype(BF16)
     blk = dataclasses.replace(gm.BLOCKS_FEW_ROWS[("nvfp4", mode)], decode=decode)
     rows = jax.random.permutation(jax.random.key(4), n).astype(jnp.int32)
