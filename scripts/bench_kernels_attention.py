@@ -339,12 +339,13 @@ def bench_ring_variant(cfg, peak, rows, B, copies, splits, block_k, reps=10):
             outs = f(qkv, s[1])
             return [o for o, _ in outs], [c for _, c in outs]
 
-        t, _ = timeit(step, (None, caches), reps=reps, batches=5)
+        t, state = timeit(step, (None, caches), reps=reps, batches=5)
         t /= copies
         nb = B * cfg.num_key_value_heads * cfg.sliding_window * cfg.head_dim * 4
         row = dict(kernel=f"fused ring attention splits={splits} BK={block_k}", shape=f"B={B}",
                    context=cfg.sliding_window, us=t * 1e6, GBps=nb / t / 1e9, pct_peak=100 * nb / t / peak,
                    rel_err=rel_err(o2, o1)[0])
+        add_device_time(row, lambda: step(state)[0], copies, nb)  # caches donated: the last state
         rows.append(row)
         log(json.dumps(row))
     finally:
@@ -457,13 +458,14 @@ def main():
             section("sweep", lambda sp=sp, bk=bk: bench_ring_variant(cfg, P, rows, 1, nr, sp, bk))
         for context in (k100, ctx["k8"]):
             def in_kernel_combine(context=context):
-                DA.COMBINE_IN_KERNEL = True
+                old = DA.COMBINE_IN_KERNEL, DA.MAX_SPLITS_IN_KERNEL
+                DA.COMBINE_IN_KERNEL, DA.MAX_SPLITS_IN_KERNEL = True, DA.MAX_SPLITS
                 try:
                     bench_decode_attention(cfg, P, rows, 1, context, S, nf, ref=False, tag=" combine in kernel")
                 finally:
-                    DA.COMBINE_IN_KERNEL = False
+                    DA.COMBINE_IN_KERNEL, DA.MAX_SPLITS_IN_KERNEL = old
             section("sweep", in_kernel_combine)
-        for bk, nw, ns in ((128, 4, 3), (64, 8, 3), (64, 4, 4)):
+        for bk, nw, ns in ((128, 4, 3), (128, 8, 3), (64, 8, 3), (64, 4, 4), (64, 4, 2), (32, 4, 3)):
             def variant(bk=bk, nw=nw, ns=ns):
                 old = DA.BLOCK_K, DA.NUM_WARPS, DA.NUM_STAGES
                 DA.BLOCK_K, DA.NUM_WARPS, DA.NUM_STAGES = bk, nw, ns
