@@ -70,11 +70,50 @@ def unpack_codes(packed: np.ndarray | jax.Array) -> np.ndarray | jax.Array:
     return xp.concatenate([packed & 0xF, packed >> 4], axis=-1)
 
 
+# ---- bit-level decode (XLA and Pallas kernels alike) ---------------------------------------------------------------
+# Integer ops and exact f16 -> f32 conversions only, no table lookup and no fp4/fp8 casts (the Pallas Triton lowering
+# has none we could rely on; in XLA a table gather and an fp8 convert fuse worse than plain bit arithmetic).
+#   E2M1 code c (s e e m) -> f16 bits (c & 7) << 9 | (c & 8) << 12: exactly E2M1(c) * 2^-14 (the subnormal code 1
+#   included: f16 represents it exactly, and the f16 -> f32 conversion is exact, so no flush-to-zero question).
+#   E4M3 byte b (s eeee mmm) -> f16 bits (b & 0x7f) << 7 | (b & 0x80) << 8: exactly E4M3(b) * 2^-8 (subnormals
+#   included; 0x7f, E4M3's NaN, decodes as a finite 480 * 2^-8: scales are never NaN).
+# So value = f16(c) * (f16(b) * 2^22), exact in f32 (E2M1 x E4M3 has at most 6 significant bits) and in BF16.
+_CODE_SCALE = 2.0 ** 22  # f16(code) * f16(scale) * 2^22 = E2M1 * E4M3
+
+
+def _f16_bits_to_f32(bits: jax.Array) -> jax.Array:
+    """Low 16 bits of an integer array, read as f16, exactly converted to f32."""
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.float16).astype(jnp.float32)
+
+
+def decode_codes(b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Code bytes (uint8 or int32) -> (low nibble values, high nibble values) as f32, each E2M1 * 2^-14.
+
+    Both nibbles are built in one 32-bit word, an f16 pair: one multiply spreads the byte to the two exponent/
+    mantissa positions (b << 9 | b << 21, no overlap) and one to the two sign positions (b << 12 | b << 24), two
+    masks keep the right bits. ~2.5 integer ops per value instead of ~5 for two separate f16 patterns; the f16 -> f32
+    conversion reads either half of the word."""
+    b = b.astype(jnp.uint32)
+    w = ((b * jnp.uint32(0x00200200)) & jnp.uint32(0x0E000E00)) | ((b * jnp.uint32(0x01001000))
+                                                                  & jnp.uint32(0x80008000))
+    return _f16_bits_to_f32(w & jnp.uint32(0xFFFF)), _f16_bits_to_f32(jax.lax.shift_right_logical(w, jnp.uint32(16)))
+
+
+def decode_scales(b: jax.Array) -> jax.Array:
+    """E4M3 scales (float8_e4m3fn, or their bytes as integers) -> f32 E4M3 * 2^14, which cancels decode_codes'
+    2^-14: code * scale = value."""
+    if b.dtype == jnp.float8_e4m3fn:
+        b = jax.lax.bitcast_convert_type(b, jnp.uint8)
+    b = b.astype(jnp.int32)
+    return _f16_bits_to_f32(((b & 0x7F) << 7) | ((b & 0x80) << 8)) * _CODE_SCALE
+
+
 def dequantize(w: NVFP4Weight, dtype=jnp.bfloat16) -> jax.Array:
-    """Values E2M1 x E4M3 as `dtype` [..., N, K], without the global scale (exact in BF16)."""
-    codes = unpack_codes(w.codes)
-    vals = jnp.asarray(E2M1_VALUES)[codes.astype(jnp.int32)]
-    scales = jnp.repeat(w.scales.astype(jnp.float32), BLOCK, axis=-1)
+    """Values E2M1 x E4M3 as `dtype` [..., N, K], without the global scale (exact in BF16), by the bit decode above:
+    one elementwise XLA fusion per weight (the prefill's dense NVFP4 projections are dequantized on every call)."""
+    lo, hi = decode_codes(w.codes)
+    vals = jnp.concatenate([lo, hi], axis=-1)
+    scales = jnp.repeat(decode_scales(w.scales), BLOCK, axis=-1)
     return (vals * scales).astype(dtype)
 
 

@@ -50,6 +50,9 @@ NUM_WARPS, NUM_STAGES = 4, 3
 # waves) 69.6 us.
 TARGET_PROGRAMS = 264
 MAX_SPLITS = 128
+# Full layers folded by the `combine` kernel may split any number of ways (its partials are padded to a power of
+# two, which Triton's block shapes need); False: powers of two only, as before run AJ.
+ANY_SPLITS = True
 MIN_CHUNK = 256  # keys per split at least: short contexts use fewer splits (fewer partials written and combined)
 # Fold the split partials inside the attention kernel, in the program that arrives last at a per-(sequence, KV
 # head) atomic counter, instead of launching `combine`: one launch fewer per full layer, and it lets the sliding
@@ -108,12 +111,17 @@ def _load_ring_block(k_ref, v_ref, kpos_ref, b, kv, t0, active, n_slots: int, dh
 
 def default_splits(batch: int, kv_heads: int, sliding: bool) -> int:
     """Splits of the key range per (sequence, KV head). Sliding layers: RING_SPLITS with the in-kernel combine,
-    else one program each (a split ring would need the combine kernel). Full layers: the largest power of two
-    that keeps the programs within TARGET_PROGRAMS (one wave)."""
+    else one program each (a split ring would need the combine kernel). Full layers: as many as keep the programs
+    within TARGET_PROGRAMS (one wave), a power of two where the kernel folds the splits itself (its fold loads
+    whole power-of-two groups); the `combine` kernel takes any count (B = 1: 66 splits, 264 programs, two on
+    every SM of the H200, where 64 left 8 SMs with one program and the other 124 setting the time)."""
     if sliding:
         return RING_SPLITS if COMBINE_IN_KERNEL else 1
-    fit = max(1, TARGET_PROGRAMS // (batch * kv_heads))
-    return min(MAX_SPLITS, 1 << (fit.bit_length() - 1))
+    fit = min(MAX_SPLITS, max(1, TARGET_PROGRAMS // (batch * kv_heads)))
+    pow2 = 1 << (fit.bit_length() - 1)
+    if COMBINE_IN_KERNEL and pow2 <= MAX_SPLITS_IN_KERNEL:
+        return pow2
+    return fit if ANY_SPLITS else pow2
 
 
 def ring_chunk(n_slots: int, splits: int) -> int:
@@ -323,13 +331,15 @@ def _attn_kernel(*refs, mode, ring, sliding, B, Hq, KV, G, D, window, n_slots, s
 
 
 def _combine_kernel(acc_ref, m_ref, l_ref, sink_ref, pos_ref, act_ref, o_ref, *, ring, fused, splits, min_chunk):
+    """splits: the attention kernel's split count; the partials' split axis may be longer (padded to a power of
+    two), and only the first n_active entries are read."""
     b, h = pl.program_id(0), pl.program_id(1)
     if ring:
         n_active = splits
     else:
         _, _, n_active = split_geometry(pos_ref[b], act_ref[b] != 0, fused=fused, splits=splits,
                                         min_chunk=min_chunk)
-    live = jnp.arange(splits) < n_active
+    live = jnp.arange(m_ref.shape[-1]) < n_active
     m = plgpu.load(m_ref.at[b, h, :], mask=live, other=NEG_INF)
     l = plgpu.load(l_ref.at[b, h, :], mask=live, other=0)
     acc = plgpu.load(acc_ref.at[b, h, :, :], mask=live[:, None], other=0)
@@ -343,11 +353,12 @@ def _combine_kernel(acc_ref, m_ref, l_ref, sink_ref, pos_ref, act_ref, o_ref, *,
 
 
 def combine(acc, m, l, sinks, positions, active, *, ring: bool, fused: bool, min_chunk: int,
-            interpret: bool = False):
+            interpret: bool = False, splits: int | None = None):
     """Fold split partials (acc [B, Hq, S, D], running max m and sum l [B, Hq, S]) and the sinks -> o bf16. Only
-    the splits that `split_geometry` says hold data are read."""
+    the splits that `split_geometry` says hold data are read. splits: the attention's split count (default S; S
+    may be padded past it to a power of two)."""
     B, Hq, S, D = acc.shape
-    kernel = functools.partial(_combine_kernel, ring=ring, fused=fused, splits=S, min_chunk=min_chunk)
+    kernel = functools.partial(_combine_kernel, ring=ring, fused=fused, splits=splits or S, min_chunk=min_chunk)
     return pl.pallas_call(
         kernel, grid=(B, Hq), out_shape=jax.ShapeDtypeStruct((B, Hq, D), BF16),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
@@ -363,16 +374,18 @@ def _attention_call(mode, first_args, cache, positions, active, sinks, cfg, slid
     n_slots = cache.k.shape[2]
     if splits is None:
         splits = default_splits(B, KV, ring)
-    if splits & (splits - 1):
-        raise ValueError(f"splits must be a power of two, got {splits}")
+    if not isinstance(splits, int) or splits < 1:
+        raise ValueError(f"splits must be a positive integer, got {splits!r}")
     min_chunk = MIN_CHUNK if min_chunk is None else min_chunk
     if min_chunk < BLOCK_K or min_chunk % BLOCK_K:
         raise ValueError(f"min_chunk must be a multiple of BLOCK_K={BLOCK_K}, got {min_chunk}")
     cache_in = [cache.k, cache.v] + ([cache.pos] if ring else [])
     args = [*first_args, positions.astype(jnp.int32), active.astype(jnp.int32), sinks.astype(F32), *cache_in]
-    combine_here = splits > 1 and COMBINE_IN_KERNEL and splits <= MAX_SPLITS_IN_KERNEL
-    partials = [jax.ShapeDtypeStruct((B, Hq, splits, D), F32), jax.ShapeDtypeStruct((B, Hq, splits), F32),
-                jax.ShapeDtypeStruct((B, Hq, splits), F32)]
+    # The kernel folds power-of-two split counts up to MAX_SPLITS_IN_KERNEL itself; any other count goes to combine.
+    combine_here = splits > 1 and COMBINE_IN_KERNEL and splits <= MAX_SPLITS_IN_KERNEL and not splits & (splits - 1)
+    s_pad = pl.next_power_of_2(splits)  # the combine kernel loads the split axis whole
+    partials = [jax.ShapeDtypeStruct((B, Hq, s_pad, D), F32), jax.ShapeDtypeStruct((B, Hq, s_pad), F32),
+                jax.ShapeDtypeStruct((B, Hq, s_pad), F32)]
     aliases = {}
     if splits == 1:
         out_shape = [jax.ShapeDtypeStruct((B, Hq, D), BF16)]
@@ -403,7 +416,7 @@ def _attention_call(mode, first_args, cache, positions, active, sinks, cfg, slid
         o, rest = outs[0], outs[5:]
     else:
         o = combine(*outs[:3], sinks, positions, active, ring=ring, fused=mode == "fused", min_chunk=min_chunk,
-                    interpret=interpret)
+                    interpret=interpret, splits=splits)
         rest = outs[3:]
     if mode != "fused":
         return o, cache

@@ -16,14 +16,8 @@ nibbles are values 16*g0 .. 16*(g0+G) (scales[g0:g0+G]) and the high nibbles the
 [K/32+g0 : K/32+g0+G]); x is passed as [M, K/16, 16] so both halves are plain 3-D slices. 16 contiguous bytes per row
 and group keep the loads 16 bytes wide.
 
-Decode, with integer ops only (the Triton lowering has no fp4/fp8 casts we could rely on):
-  E2M1 code c (s e e m) -> the f16 bit pattern  (c & 7) << 9 | (c & 8) << 12, i.e. exponent field e and mantissa
-  bit m. That f16 is exactly E2M1(c) * 2^-14 (also for the subnormal code 1, which f16 represents exactly, and
-  the f16 -> f32 conversion is exact, so no flush-to-zero question arises).
-  E4M3 scale byte (s eeee mmm) -> f16 bits  (b & 0x7f) << 7 | (b & 0x80) << 8, which is E4M3(b) * 2^-8 (again
-  exact, subnormals included; 0x7f, E4M3's NaN, decodes as a finite 480 * 2^-8: scales are never NaN).
-  So value = f16(c) * (f16(b) * 2^22), all exact in f32 (E2M1 x E4M3 has at most 5 significant bits);
-  decode_scales returns the bracket, E4M3 * 2^14.
+Decode: flint_jax.nvfp4.decode_codes / decode_scales (integer ops and exact f16 -> f32 conversions; the Triton
+lowering has no fp4/fp8 casts we could rely on); decode_scales returns E4M3 * 2^14, which cancels the codes' 2^-14.
 Products x * value are exact in f32 (8 + 5 bits); the kernel multiplies the block scale after summing the 16
 products of its group (one multiply per 16 values instead of 16), so only the summation order differs from the
 reference's f32 dot: the FP32 result differs from XLA's by reordering alone (a few f32 ulps of the largest partial
@@ -40,11 +34,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from flint_jax import nvfp4
-from flint_jax.nvfp4 import NVFP4Weight
+from flint_jax.nvfp4 import NVFP4Weight, decode_codes, decode_scales  # noqa: F401  (the kernels' decode)
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 GROUP = nvfp4.BLOCK  # values per E4M3 scale = bytes per row of the codes' last axis
-_CODE_SCALE = 2.0 ** 22  # f16(code) * f16(scale) * 2^22 = E2M1 * E4M3
 
 
 # ---- wrapper side -------------------------------------------------------------------------------------------------
@@ -132,33 +125,6 @@ def k_start(t, bk: int):
 def k_loop(steps: int, body, init):
     """fori_loop, or straight-line code for one step (lets every load of the step be in flight at once)."""
     return body(0, init) if steps == 1 else jax.lax.fori_loop(0, steps, body, init)
-
-
-def _f16_bits_to_f32(bits: jax.Array) -> jax.Array:
-    """Low 16 bits of an integer array, read as f16, exactly converted to f32."""
-    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.float16).astype(F32)
-
-
-def decode_codes(b: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Code bytes (uint8 or int32) -> (low nibble values, high nibble values) as f32, each E2M1 * 2^-14.
-
-    Both nibbles are built in one 32-bit word, an f16 pair: one multiply spreads the byte to the two exponent/
-    mantissa positions (b << 9 | b << 21, no overlap) and one to the two sign positions (b << 12 | b << 24), two
-    masks keep the right bits. ~2.5 integer ops per value instead of ~5 for two separate f16 patterns; the f16 -> f32
-    conversion reads either half of the word."""
-    b = b.astype(jnp.uint32)
-    w = ((b * jnp.uint32(0x00200200)) & jnp.uint32(0x0E000E00)) | ((b * jnp.uint32(0x01001000))
-                                                                  & jnp.uint32(0x80008000))
-    return _f16_bits_to_f32(w & jnp.uint32(0xFFFF)), _f16_bits_to_f32(jax.lax.shift_right_logical(w, jnp.uint32(16)))
-
-
-def decode_scales(b: jax.Array) -> jax.Array:
-    """E4M3 scales (float8_e4m3fn, or their bytes as integers) -> f32 E4M3 * 2^14, which cancels decode_codes'
-    2^-14: code * scale = value."""
-    if b.dtype == jnp.float8_e4m3fn:
-        b = jax.lax.bitcast_convert_type(b, jnp.uint8)
-    b = b.astype(jnp.int32)
-    return _f16_bits_to_f32(((b & 0x7F) << 7) | ((b & 0x80) << 8)) * _CODE_SCALE
 
 
 @dataclasses.dataclass(frozen=True)

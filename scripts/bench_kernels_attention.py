@@ -447,7 +447,7 @@ def main():
     if not args.skip_tests:
         section("tests", lambda: result.__setitem__("tests", run_tests(args.out)))
     if not args.quick:
-        for sp in (32, 64):
+        for sp in (32, 64, 66):
             section("sweep", lambda sp=sp: bench_decode_attention(cfg, P, rows, 1, k100, S, nf, splits=sp,
                                                                   ref=False, tag=f" splits={sp}"))
             section("sweep", lambda sp=sp: bench_decode_attention(cfg, P, rows, 1, ctx["k8"], S, nf, splits=sp,
@@ -461,7 +461,8 @@ def main():
                 old = DA.COMBINE_IN_KERNEL, DA.MAX_SPLITS_IN_KERNEL
                 DA.COMBINE_IN_KERNEL, DA.MAX_SPLITS_IN_KERNEL = True, DA.MAX_SPLITS
                 try:
-                    bench_decode_attention(cfg, P, rows, 1, context, S, nf, ref=False, tag=" combine in kernel")
+                    bench_decode_attention(cfg, P, rows, 1, context, S, nf, splits=64, ref=False,
+                                           tag=" combine in kernel")
                 finally:
                     DA.COMBINE_IN_KERNEL, DA.MAX_SPLITS_IN_KERNEL = old
             section("sweep", in_kernel_combine)

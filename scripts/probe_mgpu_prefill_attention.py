@@ -2,7 +2,7 @@
 wgmma) against our Triton-lowered `prefill_attention.full_attention` for a full layer's first 8K chunk.
 
 For a chunk at offset 0 a full layer's attention is plain causal self-attention over the chunk (GQA 32/4, D = 128)
-plus the sink. attention_mgpu has no softmax scale and no sink, so the probe gives it q * (1/sqrt(D)) rounded to BF16
+plus the sink. attention_mgpu has no softmax scale and no sink and takes f16 only, so the probe gives it q * (1/sqrt(D)), k, v in f16
 and folds the sink in afterwards from the log-sum-exp it returns (o * 1 / (1 + e^(sink - lse)), one more BF16
 rounding). Both are timed over `--layers` distinct layers (more bytes than L2), device time from a profiler trace.
 
@@ -36,8 +36,9 @@ F32, BF16 = jnp.float32, jnp.bfloat16
 def mgpu_attention(q, k, v, sinks, cfg):
     from jax.experimental.pallas.ops.gpu import attention_mgpu as am
     D = q.shape[-1]
-    qs = (q.astype(F32) * (1.0 / math.sqrt(D))).astype(BF16)
-    o, (lse2,) = am.attention(qs, k, v, cfg, save_residuals=True)  # lse2 [B, Hq, T], base 2
+    F16 = jnp.float16  # the kernel's shared-memory tiles are f16 in jax 0.11.2 (BF16 inputs are refused)
+    qs = (q.astype(F32) * (1.0 / math.sqrt(D))).astype(F16)
+    o, (lse2,) = am.attention(qs, k.astype(F16), v.astype(F16), cfg, save_residuals=True)  # lse2 [B, Hq, T], base 2
     lse = jnp.swapaxes(lse2, 1, 2) * math.log(2.0)  # [B, T, Hq], natural log
     scale = 1.0 / (1.0 + jnp.exp(sinks[None, None, :] - lse))
     return (o.astype(F32) * scale[..., None]).astype(BF16)

@@ -162,16 +162,22 @@ def test_decode_attention_ring_split():
     check_attention(ring_cache(jax.random.key(4), positions, cfg), positions, "0", sliding=True, splits=2, cfg=cfg)
 
 
-@pytest.mark.parametrize("splits,min_chunk", [(1, 64), (4, 64), (4, 128)])
+@pytest.mark.parametrize("splits,min_chunk", [(1, 64), (4, 64), (4, 128), (3, 64), (33, 64)])
 @pytest.mark.parametrize("sink", list(SINKS))
 def test_decode_attention_full(splits, min_chunk, sink):
+    """3 and 33 splits: not powers of two, so folded by the combine kernel (its partials padded to 4 and 64) even
+    where the kernel folds 4 itself; 33 splits of >= 64 keys leave most of them empty at these lengths."""
     check_attention(full_cache(jax.random.key(6), len(FULL_POSITIONS)), FULL_POSITIONS, sink, sliding=False,
                     splits=splits, min_chunk=min_chunk)
 
 
 def test_default_splits():
     assert DA.default_splits(1, 4, sliding=True) == (DA.RING_SPLITS if DA.COMBINE_IN_KERNEL else 1)
-    assert DA.default_splits(1, 4, sliding=False) == 64  # at most 264 programs (one wave): 66 -> power of two 64
+    # At most 264 programs (one wave). B = 1: 66 (the combine kernel takes any count; 64 as a power of two).
+    assert DA.default_splits(1, 4, sliding=False) == (66 if DA.ANY_SPLITS else 64)
+    assert DA.default_splits(2, 4, sliding=False) == (33 if DA.ANY_SPLITS else 32)
+    # B = 4: 16 splits, folded in the kernel, which needs a power of two.
+    assert DA.default_splits(4, 4, sliding=False) == 16
     assert DA.default_splits(8, 4, sliding=False) == 8
     assert DA.default_splits(64, 8, sliding=False) == 1
 
@@ -319,3 +325,4 @@ def test_qkv_projection(weights, B):
     want = AP.ref_qkv_projection(h, layer.attn_norm, layer.attn, CFG)
     assert got.shape == (B, CFG.num_attention_heads + 2 * CFG.num_key_value_heads, CFG.head_dim)
     assert_ulp_close(got, want)
+

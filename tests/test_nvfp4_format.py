@@ -269,3 +269,18 @@ def test_to_gguf_refuses_negative_or_nan_scales():
                           np.float32(1))
     with pytest.raises(nvfp4.NVFP4FormatError, match="negative or NaN"):
         nvfp4.to_gguf_blocks(w)
+
+
+def test_dequantize_bit_decode_equals_the_value_table_for_every_code_and_scale_byte():
+    """nvfp4.dequantize decodes with integer ops (decode_codes / decode_scales); it must give exactly
+    E2M1_VALUES[code] * E4M3(scale) for every code byte (both nibbles) and every finite E4M3 scale byte."""
+    import ml_dtypes
+    codes = np.tile(np.arange(256, dtype=np.uint8), (254, 4))  # [254, 1024]: K = 2048, every byte per row
+    scale_bytes = np.array([b for b in range(256) if b & 0x7F != 0x7F], dtype=np.uint8)  # the 254 finite ones
+    scales = np.broadcast_to(scale_bytes[:, None], (254, 2048 // nvfp4.BLOCK)).copy().view(ml_dtypes.float8_e4m3fn)
+    w = nvfp4.NVFP4Weight(jnp.asarray(codes), jnp.asarray(scales), jnp.ones((), jnp.float32))
+    got = np.asarray(nvfp4.dequantize(w, jnp.float32))
+    want = (nvfp4.E2M1_VALUES[nvfp4.unpack_codes(codes)]
+            * np.repeat(scales.astype(np.float32), nvfp4.BLOCK, axis=-1))
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(np.asarray(nvfp4.dequantize(w)).astype(np.float32), want)  # exact in BF16 too

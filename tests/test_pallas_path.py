@@ -50,7 +50,8 @@ def test_decode_step_lowers_for_the_gpu_with_the_planned_kernels(tiny_cfg):
     n_full = len(cfg.full_layers)
     n_moe = sum(cfg.is_moe(i) for i in range(cfg.num_hidden_layers))
     splits = DA.default_splits(1, cfg.num_key_value_heads, sliding=False)
-    n_combine = 0 if DA.COMBINE_IN_KERNEL and splits <= DA.MAX_SPLITS_IN_KERNEL else n_full
+    in_kernel = DA.COMBINE_IN_KERNEL and splits <= DA.MAX_SPLITS_IN_KERNEL and not splits & (splits - 1)
+    n_combine = 0 if in_kernel else n_full
     planned = 3 * cfg.num_hidden_layers + n_combine + 3 * n_moe + 2 * (cfg.num_hidden_layers - n_moe)
     assert census["pallas_kernels"] == planned
     assert census["by_kernel"].get("decode_attention_combine", 0) == n_combine

@@ -83,8 +83,16 @@ def near_tie_tokens(params, tokens, cfg, n_valid):
 def assert_logits_close(got, ref):
     # The kernels round at the reference's BF16 points; FP32 sums run in another order (K tiles, key blocks, the
     # split P @ V), which can flip a last BF16 bit of an intermediate and show in later layers.
-    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=2e-2 * float(jnp.abs(ref).max()), rtol=0)
-    assert (jnp.argmax(got, -1) == jnp.argmax(ref, -1)).mean() > 0.97
+    # The argmax must agree wherever the reference's top two logits are further apart than twice the token's
+    # largest logit difference (elsewhere the logits tie within the rounding that this tolerance allows: the
+    # compiled NVFP4 case of run AJ had one such token of 22).
+    got, ref = np.asarray(got, np.float32), np.asarray(ref, np.float32)
+    np.testing.assert_allclose(got, ref, atol=2e-2 * float(np.abs(ref).max()), rtol=0)
+    top2 = -np.sort(-ref, axis=-1)[..., :2]
+    clear = (top2[..., 0] - top2[..., 1]) > 2 * np.abs(got - ref).max(axis=-1)
+    assert clear.mean() > 0.8, f"only {clear.mean():.0%} of the tokens have a clear argmax"
+    flipped = clear & (got.argmax(-1) != ref.argmax(-1))
+    assert not flipped.any(), f"argmax differs at tokens {np.argwhere(flipped).tolist()} with a clear margin"
 
 
 # Window 5: smaller than the chunks (the ring wraps inside a chunk); window 16: larger than a 7-token chunk.
