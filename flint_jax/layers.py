@@ -41,52 +41,34 @@ def linear(x: jax.Array, w: Linear) -> jax.Array:
     return acc.astype(BF16)
 
 
-def rope_tables(positions: jax.Array, d: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """cos and sin of RoPE's angles at absolute positions [B, T]: FP32 [B, T, D/2] each (one per frequency)."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=F32) / d))  # [D/2]
-    angles = positions.astype(F32)[..., None] * inv_freq  # [B, T, D/2]
-    return jnp.cos(angles), jnp.sin(angles)
-
-
 def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     """Rotate-half (NeoX/HF) RoPE over the whole head_dim at absolute positions.
-    x [B, T, N, D] bf16, positions [B, T]. Computed in FP32, rounded to BF16 once:
-    first half x1 * cos - x2 * sin, second half x2 * cos + x1 * sin."""
-    return rope_from_tables(x, *rope_tables(positions, x.shape[-1], theta))
-
-
-def rope_from_tables(x: jax.Array, c: jax.Array, s: jax.Array) -> jax.Array:
-    """rope() with its cos and sin tables given ([B, T, D/2], rope_tables)."""
+    x [B, T, N, D] bf16, positions [B, T]. Computed in FP32, rounded to BF16 once."""
     d = x.shape[-1]
-    cos = jnp.concatenate([c] * 2, axis=-1)[:, :, None, :]
-    sin = jnp.concatenate([s] * 2, axis=-1)[:, :, None, :]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=F32) / d))  # [D/2]
+    angles = positions.astype(F32)[..., None] * inv_freq  # [B, T, D/2]
+    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[:, :, None, :]
+    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[:, :, None, :]
     xf = x.astype(F32)
     x1, x2 = xf[..., : d // 2], xf[..., d // 2:]
     rotated = jnp.concatenate([-x2, x1], axis=-1)
     return (xf * cos + rotated * sin).astype(BF16)
 
 
-def project_qkv(a: jax.Array, attn, positions: jax.Array, cfg: FlintConfig, sliding: bool, finish_q: bool = True):
+def project_qkv(a: jax.Array, attn, positions: jax.Array, cfg: FlintConfig, sliding: bool):
     """Q, K, V for normed input a [B, T, H]: projections, per-head Q/K RMSNorm, RoPE on sliding layers only.
-    Returns q [B, T, Hq, D], k and v [B, T, KV, D], all BF16. finish_q=False: q as projected (its head norm and
-    RoPE left to the caller, e.g. a kernel that applies them on the fly)."""
+    Returns q [B, T, Hq, D], k and v [B, T, KV, D], all BF16."""
     B, T, _ = a.shape
     D = cfg.head_dim
     q = linear(a, attn.q).reshape(B, T, cfg.num_attention_heads, D)
     k = linear(a, attn.k).reshape(B, T, cfg.num_key_value_heads, D)
     v = linear(a, attn.v).reshape(B, T, cfg.num_key_value_heads, D)
+    q = rmsnorm(q, attn.q_norm, cfg.rms_norm_eps)
     k = rmsnorm(k, attn.k_norm, cfg.rms_norm_eps)
     if sliding:
+        q = rope(q, positions, cfg.rope_theta)
         k = rope(k, positions, cfg.rope_theta)
-    if finish_q:
-        q = finish_q_heads(q, attn.q_norm, positions, cfg, sliding)
     return q, k, v
-
-
-def finish_q_heads(q: jax.Array, q_norm: jax.Array, positions: jax.Array, cfg: FlintConfig, sliding: bool):
-    """The projected q [B, T, Hq, D] made ready for attention: head RMSNorm, then RoPE on sliding layers."""
-    q = rmsnorm(q, q_norm, cfg.rms_norm_eps)
-    return rope(q, positions, cfg.rope_theta) if sliding else q
 
 
 def attention_mask(q_pos: jax.Array, k_pos: jax.Array, window: int | None) -> jax.Array:

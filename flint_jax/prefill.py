@@ -4,9 +4,9 @@
     mlp_block(h, layer, cfg) -> h
 
 Same signatures and results as model.attention_block and layers.mlp_block (FLINT_SPEC section 2's rounding points):
-    attention: rmsnorm, Q/K/V projections, K's head norm and RoPE as layers.project_qkv (XLA), then
+    attention: rmsnorm, Q/K/V projections, head norms and RoPE as layers.project_qkv (XLA), then
                pallas_kernels.prefill_attention (sliding: the ring before the chunk + the chunk; full: the cache after
-               writing the chunk, up to lengths_after), which finishes Q itself (FOLD_Q), then Wo and the residual. The chunk's K/V are written with
+               writing the chunk, up to lengths_after), then Wo and the residual. The chunk's K/V are written with
                state.write_ring / state.write_full, exactly as the reference does.
     MoE:       rmsnorm, routing (pallas_kernels.router.top_k_experts, layers.route_from_logits' selection, on
                `router_logits_bf16x3`: FP32 logits from three exact BF16 parts of the router on the tensor cores),
@@ -38,12 +38,6 @@ def _interpret(interpret: bool | None) -> bool:
     return jax.default_backend() == "cpu" if interpret is None else interpret
 
 
-# The prefill attention kernels apply Q's head norm (and RoPE on sliding layers) to the raw projection as they load
-# it (layers.finish_q_heads' rounding points), instead of XLA writing the finished q first: XLA's head norm and
-# RoPE passes over the 8K chunk's q took 2.7 + 1.2 ms of an 8K prefill on the H200 (run AK, docs/BENCHMARKS.md).
-FOLD_Q = True
-
-
 def attention_block(h: jax.Array, layer, cache, positions: jax.Array, valid: jax.Array, lengths_after: jax.Array,
                     cfg: FlintConfig, sliding: bool, *, interpret: bool | None = None,
                     block: pa.Block | None = None):
@@ -52,19 +46,15 @@ def attention_block(h: jax.Array, layer, cache, positions: jax.Array, valid: jax
     interpret = _interpret(interpret)
     B, T, _ = h.shape
     a = L.rmsnorm(h, layer.attn_norm, cfg.rms_norm_eps)
-    q, k, v = L.project_qkv(a, layer.attn, positions, cfg, sliding, finish_q=not FOLD_Q)
+    q, k, v = L.project_qkv(a, layer.attn, positions, cfg, sliding)
     q_pos = jnp.where(valid, positions, -1)
-    fold = dict(q_norm=layer.attn.q_norm, eps=cfg.rms_norm_eps) if FOLD_Q else {}
     if sliding:
-        if FOLD_Q:
-            fold["rope"] = L.rope_tables(positions, cfg.head_dim, cfg.rope_theta)
         o = pa.ring_attention(q, k, v, q_pos, cache, layer.attn.sinks, cfg.sliding_window, interpret=interpret,
-                              block=block, **fold)
+                              block=block)
         cache = write_ring(cache, k, v, positions, valid)
     else:
         cache = write_full(cache, k, v, positions, valid)
-        o = pa.full_attention(q, q_pos, cache, lengths_after, layer.attn.sinks, interpret=interpret, block=block,
-                              **fold)
+        o = pa.full_attention(q, q_pos, cache, lengths_after, layer.attn.sinks, interpret=interpret, block=block)
     return h + L.linear(o.reshape(B, T, -1), layer.attn.o), cache
 
 

@@ -97,48 +97,14 @@ def _dot(a, b):
     return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=F32)
 
 
-def _finish_q(q_ref, qn_ref, cos_ref, sin_ref, b, t0, kv, *, G, BQ, eps):
-    """The block's raw queries made ready, as layers.finish_q_heads does: head RMSNorm (rounded to BF16, times the
-    norm weight, rounded), then on sliding layers RoPE in FP32 rounded to BF16. Without RoPE: [R, D]; with it the
-    two halves [R, D/2] each (first x1 cos - x2 sin, second x2 cos + x1 sin), which the QK product takes apart."""
-    D = q_ref.shape[-1]
-    R, h = BQ * G, D // 2
-    heads = pl.ds(kv * G, G)
-    if cos_ref is None:
-        x = q_ref[b, pl.ds(t0, BQ), heads, :].reshape(R, D).astype(F32)
-        inv = jax.lax.rsqrt(jnp.sum(x * x, axis=1) / D + eps)
-        normed = (x * inv[:, None]).astype(BF16)
-        return qn_ref[...].astype(BF16)[None, :] * normed
-    x1 = q_ref[b, pl.ds(t0, BQ), heads, pl.ds(0, h)].reshape(R, h).astype(F32)
-    x2 = q_ref[b, pl.ds(t0, BQ), heads, pl.ds(h, h)].reshape(R, h).astype(F32)
-    inv = jax.lax.rsqrt((jnp.sum(x1 * x1, axis=1) + jnp.sum(x2 * x2, axis=1)) / D + eps)[:, None]
-    n1 = (qn_ref[pl.ds(0, h)].astype(BF16)[None, :] * (x1 * inv).astype(BF16)).astype(F32)
-    n2 = (qn_ref[pl.ds(h, h)].astype(BF16)[None, :] * (x2 * inv).astype(BF16)).astype(F32)
-
-    def per_row(ref):  # [BQ, D/2] of the block's tokens -> [R, D/2], rows token-major like the queries
-        t = ref[b, pl.ds(t0, BQ), :]
-        return jnp.broadcast_to(t[:, None, :], (BQ, G, h)).reshape(R, h)
-    c, sn = per_row(cos_ref), per_row(sin_ref)
-    return (n1 * c - n2 * sn).astype(BF16), (n2 * c + n1 * sn).astype(BF16)
-
-
-def _kernel(*refs, mode, G, BQ, BK, T, S, W, window, sqrt_d, pv_mode, fold, eps):
+def _kernel(*refs, mode, G, BQ, BK, T, S, W, window, sqrt_d, pv_mode):
     """mode "ring": the ring's W slots (keys [B, KV, W, D], positions rpos [B, W]), then the chunk's T keys
     (ck/cv [B, T, KV, D] as projected, positions = the queries' own q_pos); mode "full": keys = the cache
-    [B, KV, S, D], positions = indices below lengths[b]. fold: q is the raw projection, finished here with the
-    head norm weight qn [D] (and on rings RoPE from cos/sin [B, T, D/2]; see _finish_q)."""
-    refs = list(refs)
-    q_ref, qpos_ref, sink_ref = refs[:3]
-    qn_ref = cos_ref = sin_ref = None
-    rest = refs[3:]
-    if fold:
-        qn_ref, rest = rest[0], rest[1:]
-        if mode == "ring":
-            cos_ref, sin_ref, rest = rest[0], rest[1], rest[2:]
+    [B, KV, S, D], positions = indices below lengths[b]."""
     if mode == "ring":
-        rpos_ref, rk_ref, rv_ref, ck_ref, cv_ref, o_ref = rest
+        q_ref, qpos_ref, sink_ref, rpos_ref, rk_ref, rv_ref, ck_ref, cv_ref, o_ref = refs
     else:
-        len_ref, k_ref, v_ref, o_ref = rest
+        q_ref, qpos_ref, sink_ref, len_ref, k_ref, v_ref, o_ref = refs
     i, kv, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     D = q_ref.shape[-1]
     R = BQ * G
@@ -151,23 +117,13 @@ def _kernel(*refs, mode, G, BQ, BK, T, S, W, window, sqrt_d, pv_mode, fold, eps)
     # the short ones fill the tail of the launch.
     i = pl.num_programs(0) - 1 - i
     t0 = jnp.minimum(i * BQ, T - BQ)
-    if fold:
-        qt = _finish_q(q_ref, qn_ref, cos_ref, sin_ref, b, t0, kv, G=G, BQ=BQ, eps=eps)
-    else:
-        qt = q_ref[b, pl.ds(t0, BQ), pl.ds(kv * G, G), :].reshape(R, D)
-    halves = isinstance(qt, tuple)  # RoPE'd on the fly: the product over D as two products over its halves
+    qt = q_ref[b, pl.ds(t0, BQ), pl.ds(kv * G, G), :].reshape(R, D)
     qp_tok = qpos_ref[b, pl.ds(t0, BQ)]
     qp = jnp.broadcast_to(qp_tok[:, None], (BQ, G)).reshape(R)
     sink = jnp.broadcast_to(sink_ref[pl.ds(kv * G, G)][None, :], (BQ, G)).reshape(R).astype(F32) * unit
 
-    def keys(ref, *lead):
-        """A key tile [BK, D] at ref[lead..., :] (or its two halves when q comes in halves)."""
-        if halves:
-            return ref[(*lead, pl.ds(0, D // 2))], ref[(*lead, pl.ds(D // 2, D // 2))]
-        return ref[(*lead, slice(None))]
-
     def scores(kt):
-        s = _dot_t(qt[0], kt[0]) + _dot_t(qt[1], kt[1]) if halves else _dot_t(qt, kt)
+        s = _dot_t(qt, kt)
         return s / sqrt_d if exact else s * (unit / sqrt_d)
 
     def update(carry, s, vt):
@@ -207,7 +163,7 @@ def _kernel(*refs, mode, G, BQ, BK, T, S, W, window, sqrt_d, pv_mode, fold, eps)
         # product, not jnp.where of Python ints, which the Triton lowering turns into an i1 loop bound.)
         def ring_body(j, carry):
             s0, _, fresh = edge(j, W)
-            return step(carry, keys(rk_ref, b, kv, pl.ds(s0, BK)), rv_ref[b, kv, pl.ds(s0, BK), :],
+            return step(carry, rk_ref[b, kv, pl.ds(s0, BK), :], rv_ref[b, kv, pl.ds(s0, BK), :],
                         rpos_ref[b, pl.ds(s0, BK)], fresh)
 
         reaches_ring = (t0 <= window - 2).astype(jnp.int32)
@@ -220,12 +176,12 @@ def _kernel(*refs, mode, G, BQ, BK, T, S, W, window, sqrt_d, pv_mode, fold, eps)
         # keep it.
         def chunk_body(j, carry):
             s0, _, fresh = edge(j, T)
-            return step(carry, keys(ck_ref, b, pl.ds(s0, BK), kv), cv_ref[b, pl.ds(s0, BK), kv, :],
+            return step(carry, ck_ref[b, pl.ds(s0, BK), kv, :], cv_ref[b, pl.ds(s0, BK), kv, :],
                         qpos_ref[b, pl.ds(s0, BK)], fresh)
 
         def chunk_free(j, carry):
             s0 = pl.multiple_of(j * BK, BK)
-            return update(carry, scores(keys(ck_ref, b, pl.ds(s0, BK), kv)), cv_ref[b, pl.ds(s0, BK), kv, :])
+            return update(carry, scores(ck_ref[b, pl.ds(s0, BK), kv, :]), cv_ref[b, pl.ds(s0, BK), kv, :])
 
         j_lo = jnp.maximum(t0 - (window - 1), 0) // BK
         j_hi = pl.cdiv(jnp.minimum(t0 + BQ, T), BK)
@@ -252,12 +208,12 @@ def _kernel(*refs, mode, G, BQ, BK, T, S, W, window, sqrt_d, pv_mode, fold, eps)
 
         def free_body(j, carry):
             s0 = pl.multiple_of(j * BK, BK)
-            return update(carry, scores(keys(k_ref, b, kv, pl.ds(s0, BK))), v_ref[b, kv, pl.ds(s0, BK), :])
+            return update(carry, scores(k_ref[b, kv, pl.ds(s0, BK), :]), v_ref[b, kv, pl.ds(s0, BK), :])
 
         def body(j, carry):
             s0, idx, fresh = edge(j, S)
             kp = jnp.where(idx < length, idx, -1)
-            return step(carry, keys(k_ref, b, kv, pl.ds(s0, BK)), v_ref[b, kv, pl.ds(s0, BK), :], kp, fresh)
+            return step(carry, k_ref[b, kv, pl.ds(s0, BK), :], v_ref[b, kv, pl.ds(s0, BK), :], kp, fresh)
 
         carry = jax.lax.fori_loop(0, n_free, free_body, carry)
         carry = jax.lax.fori_loop(n_free, n_full, body, carry)
@@ -288,16 +244,15 @@ def _check_q(q, q_pos, sinks, KV):
     return B, T, Hq, D
 
 
-def _launch(mode, q, q_pos, sinks, key_ops, *, S, W, window, block, interpret, fold_ops=(), eps=0.0):
-    """q / q_pos (and fold_ops' tables) already padded to the kernel's T (see _padded_len). fold_ops: () for a
-    ready q, else (q_norm,) or (q_norm, cos, sin) to finish the raw q in the kernel."""
+def _launch(mode, q, q_pos, sinks, key_ops, *, S, W, window, block, interpret):
+    """q / q_pos already padded to the kernel's T (see _padded_len)."""
     B, T, Hq, D = q.shape
     KV = key_ops[1].shape[1]
     G = Hq // KV
     pv_mode = resolve_pv(block, interpret)
     kernel = functools.partial(_kernel, mode=mode, G=G, BQ=_bq(block, G), BK=block.bk, T=T, S=S, W=W,
-                               window=window, sqrt_d=math.sqrt(D), pv_mode=pv_mode, fold=bool(fold_ops), eps=eps)
-    operands = [q, q_pos, sinks.astype(F32), *fold_ops, *key_ops]
+                               window=window, sqrt_d=math.sqrt(D), pv_mode=pv_mode)
+    operands = [q, q_pos, sinks.astype(F32), *key_ops]
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((B, T, Hq, D), BF16),
@@ -315,37 +270,17 @@ def _padded_len(T: int, block: Block, G: int) -> int:
     return max(T, _bq(block, G), block.bk)
 
 
-def _q_norm_operand(q_norm, D: int) -> tuple[jax.Array, ...]:
-    if q_norm is None:
-        return ()
-    if q_norm.shape != (D,):
-        raise ValueError(f"q_norm must be [{D}] (the head norm weight), got {q_norm.shape}")
-    return (q_norm.astype(BF16),)
-
-
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, ring: RingCache, sinks: jax.Array,
-                   window: int, *, interpret: bool = False, block: Block | None = None,
-                   q_norm: jax.Array | None = None, rope: tuple[jax.Array, jax.Array] | None = None,
-                   eps: float = 1e-5) -> jax.Array:
+                   window: int, *, interpret: bool = False, block: Block | None = None) -> jax.Array:
     """Sliding-layer attention of a chunk. q [B, T, Hq, D]; k, v [B, T, KV, D] the chunk's keys/values (BF16);
     q_pos [B, T] (-1 = padding); ring: the layer's RingCache before this chunk is written. -> o [B, T, Hq, D].
-    The kernel reads the ring's slots, then the chunk's keys in place (model.attention_block concatenates them).
-    q_norm [D] and rope = layers.rope_tables(positions) (cos, sin [B, T, D/2]): q is the raw projection and the
-    kernel applies layers.finish_q_heads to it on the fly (no normed copy of q in memory)."""
+    The kernel reads the ring's slots, then the chunk's keys in place (model.attention_block concatenates them)."""
     B, T, Hq, D = _check_q(q, q_pos, sinks, ring.k.shape[1])
     KV = ring.k.shape[1]
     block = block or DEFAULT_BLOCK
     if k.shape != (B, T, KV, D) or v.shape != k.shape:
         raise ValueError(f"chunk k/v must be [{B}, {T}, {KV}, {D}], got {k.shape}, {v.shape}")
-    if (q_norm is None) != (rope is None):
-        raise ValueError("q_norm and rope go together: both finish a raw q in the kernel, or neither")
     Tp = _padded_len(T, block, Hq // KV)
-    fold_ops = _q_norm_operand(q_norm, D)
-    if rope is not None:
-        for name, t in zip(("cos", "sin"), rope):
-            if t.shape != (B, T, D // 2):
-                raise ValueError(f"rope {name} table must be [{B}, {T}, {D // 2}], got {t.shape}")
-        fold_ops += tuple(_pad_axis(t.astype(F32), 1, Tp) for t in rope)
     qp = _pad_axis(q.astype(BF16), 1, Tp)
     posp = _pad_axis(q_pos.astype(jnp.int32), 1, Tp, -1)
     # The kernel reads the ring and the chunk where they are (no concatenated copy of both per layer: 1.5 ms of an
@@ -355,16 +290,14 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, r
     rpos = _pad_axis(ring.pos.astype(jnp.int32), 1, Wp, -1)
     ck, cv = _pad_axis(k.astype(BF16), 1, Tp), _pad_axis(v.astype(BF16), 1, Tp)
     o = _launch("ring", qp, posp, sinks, [rpos, rk, rv, ck, cv], S=Tp, W=Wp, window=int(window), block=block,
-                interpret=interpret, fold_ops=fold_ops, eps=eps)
+                interpret=interpret)
     return o[:, :T]
 
 
 def full_attention(q: jax.Array, q_pos: jax.Array, cache: FullCache, lengths: jax.Array, sinks: jax.Array, *,
-                   interpret: bool = False, block: Block | None = None, q_norm: jax.Array | None = None,
-                   eps: float = 1e-5) -> jax.Array:
+                   interpret: bool = False, block: Block | None = None) -> jax.Array:
     """Full-layer attention of a chunk against a FullCache that already holds it: keys 0 .. lengths[b] - 1.
-    q [B, T, Hq, D], q_pos [B, T] (-1 = padding), lengths [B] -> o [B, T, Hq, D]. q_norm [D]: q is the raw
-    projection and the kernel applies the head norm (layers.finish_q_heads; full layers have no RoPE)."""
+    q [B, T, Hq, D], q_pos [B, T] (-1 = padding), lengths [B] -> o [B, T, Hq, D]."""
     B, T, Hq, D = _check_q(q, q_pos, sinks, cache.k.shape[1])
     block = block or DEFAULT_BLOCK
     Tp = _padded_len(T, block, Hq // cache.k.shape[1])
@@ -373,31 +306,23 @@ def full_attention(q: jax.Array, q_pos: jax.Array, cache: FullCache, lengths: ja
         fk, fv = _pad_axis(fk, 2, block.bk), _pad_axis(fv, 2, block.bk)
     o = _launch("full", _pad_axis(q.astype(BF16), 1, Tp), _pad_axis(q_pos.astype(jnp.int32), 1, Tp, -1), sinks,
                 [lengths.astype(jnp.int32), fk, fv], S=fk.shape[2], W=0, window=None, block=block,
-                interpret=interpret, fold_ops=_q_norm_operand(q_norm, D), eps=eps)
+                interpret=interpret)
     return o[:, :T]
 
 
 # ---- references ---------------------------------------------------------------------------------------------------
-def ref_ring_attention(q, k, v, q_pos, ring: RingCache, sinks, window, *, interpret=False, block=None, q_norm=None,
-                       rope=None, eps=1e-5):
-    """model.attention_block's sliding-layer attention: ring then chunk, layers.attend with the position mask
-    (q finished first when given raw, with q_norm and rope as ring_attention takes them)."""
+def ref_ring_attention(q, k, v, q_pos, ring: RingCache, sinks, window, *, interpret=False, block=None):
+    """model.attention_block's sliding-layer attention: ring then chunk, layers.attend with the position mask."""
     del interpret, block
-    if q_norm is not None:
-        q = L.rope_from_tables(L.rmsnorm(q, q_norm, eps), *rope)
     keys = jnp.concatenate([ring.k, jnp.swapaxes(k, 1, 2)], axis=2)
     vals = jnp.concatenate([ring.v, jnp.swapaxes(v, 1, 2)], axis=2)
     k_pos = jnp.concatenate([ring.pos, q_pos], axis=1)
     return L.attend(q, keys, vals, L.attention_mask(q_pos, k_pos, window), sinks)
 
 
-def ref_full_attention(q, q_pos, cache: FullCache, lengths, sinks, *, interpret=False, block=None, q_norm=None,
-                       eps=1e-5):
-    """model.attention_block's full-layer attention (materializes [T, S] scores: small shapes only; q normed first
-    when given raw with q_norm)."""
+def ref_full_attention(q, q_pos, cache: FullCache, lengths, sinks, *, interpret=False, block=None):
+    """model.attention_block's full-layer attention (materializes [T, S] scores: small shapes only)."""
     del interpret, block
-    if q_norm is not None:
-        q = L.rmsnorm(q, q_norm, eps)
     S = cache.k.shape[2]
     idx = jnp.arange(S)[None, :]
     k_pos = jnp.where(idx < lengths[:, None], idx, -1)

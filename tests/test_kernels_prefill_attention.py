@@ -132,50 +132,6 @@ def test_full_attention_matches_reference(sinks, lengths):
     assert_close(out, ref, np.asarray(valid), (v, hv), pv_mode(BLOCK))
 
 
-def raw_q_operands(positions, seed):
-    """A raw-projection-like q (not unit RMS per head) and the head norm weight, with RoPE tables at positions."""
-    ks = jax.random.split(jax.random.key(seed), 2)
-    q_raw = (3.0 * jax.random.normal(ks[0], (B, T, Hq, D), F32)).astype(BF16)
-    q_norm = (1.0 + 0.2 * jax.random.normal(ks[1], (D,), F32)).astype(BF16)
-    from flint_jax import layers as L
-    return q_raw, q_norm, L.rope_tables(positions, D, 10000.0)
-
-
-@pytest.mark.parametrize("window", [5, 64])
-@pytest.mark.parametrize("lengths", list(LENGTHS))
-def test_ring_attention_finishes_a_raw_q(window, lengths):
-    """q_norm + rope: the kernel applies the head RMSNorm and RoPE (layers.finish_q_heads' rounding points) to the
-    raw projection itself, then attends with the product over D split into its two halves."""
-    _, k, v, positions, valid, (hk, hv, hpos, hvalid) = chunk(*LENGTHS[lengths], seed=3)
-    q_raw, q_norm, rope = raw_q_operands(positions, seed=4)
-    ring = RingCache(jnp.zeros((B, KV, window, D), BF16), jnp.zeros((B, KV, window, D), BF16),
-                     jnp.full((B, window), -1, jnp.int32))
-    ring = write_ring(ring, hk, hv, hpos, hvalid)
-    q_pos = jnp.where(valid, positions, -1)
-    sk = jnp.asarray(SINKS["large"], F32)
-    out = pa.ring_attention(q_raw, k, v, q_pos, ring, sk, window, interpret=INTERPRET, block=BLOCK,
-                            q_norm=q_norm, rope=rope)
-    ref = reference(pa.ref_ring_attention, q_raw, k, v, q_pos, ring, sk, window, q_norm=q_norm, rope=rope)
-    assert_close(out, ref, np.asarray(valid), (v, hv), pv_mode(BLOCK))
-    with pytest.raises(ValueError, match="go together"):
-        pa.ring_attention(q_raw, k, v, q_pos, ring, sk, window, interpret=INTERPRET, block=BLOCK, q_norm=q_norm)
-
-
-@pytest.mark.parametrize("lengths", list(LENGTHS))
-def test_full_attention_finishes_a_raw_q(lengths):
-    """q_norm: the kernel applies the head RMSNorm to the raw projection (full layers have no RoPE)."""
-    _, k, v, positions, valid, (hk, hv, hpos, hvalid) = chunk(*LENGTHS[lengths], seed=5)
-    q_raw, q_norm, _ = raw_q_operands(positions, seed=6)
-    cache = FullCache(jnp.zeros((B, KV, S, D), BF16), jnp.zeros((B, KV, S, D), BF16))
-    cache = write_full(write_full(cache, hk, hv, hpos, hvalid), k, v, positions, valid)
-    lengths_after = jnp.asarray(LENGTHS[lengths][0]) + jnp.asarray(LENGTHS[lengths][1])
-    q_pos = jnp.where(valid, positions, -1)
-    sk = jnp.asarray(MIXED_SINKS, F32)
-    out = pa.full_attention(q_raw, q_pos, cache, lengths_after, sk, interpret=INTERPRET, block=BLOCK, q_norm=q_norm)
-    ref = reference(pa.ref_full_attention, q_raw, q_pos, cache, lengths_after, sk, q_norm=q_norm)
-    assert_close(out, ref, np.asarray(valid), (v, hv), pv_mode(BLOCK))
-
-
 @pytest.mark.parametrize("pv", ["bf16x2", "bf16"])
 def test_split_probabilities_stay_close(pv):
     """The GPU's P @ V variants (and their base-2 exponentials), ring and full layers, each within its mode's bound
