@@ -51,8 +51,9 @@ NUM_WARPS, NUM_STAGES = 4, 3
 TARGET_PROGRAMS = 264
 MAX_SPLITS = 128
 # Full layers folded by the `combine` kernel may split any number of ways (its partials are padded to a power of
-# two, which Triton's block shapes need); False: powers of two only, as before run AJ.
-ANY_SPLITS = True
+# two, which Triton's block shapes need). True makes B = 1 use 66 splits (264 programs) instead of 64: measured
+# slower on the H200 (run AK, 100K: 56.7 us against 55.0-55.3 with 64; 8K: 13.1 against 10.6-10.7), so off.
+ANY_SPLITS = False
 MIN_CHUNK = 256  # keys per split at least: short contexts use fewer splits (fewer partials written and combined)
 # Fold the split partials inside the attention kernel, in the program that arrives last at a per-(sequence, KV
 # head) atomic counter, instead of launching `combine`: one launch fewer per full layer, and it lets the sliding
@@ -113,8 +114,7 @@ def default_splits(batch: int, kv_heads: int, sliding: bool) -> int:
     """Splits of the key range per (sequence, KV head). Sliding layers: RING_SPLITS with the in-kernel combine,
     else one program each (a split ring would need the combine kernel). Full layers: as many as keep the programs
     within TARGET_PROGRAMS (one wave), a power of two where the kernel folds the splits itself (its fold loads
-    whole power-of-two groups); the `combine` kernel takes any count (B = 1: 66 splits, 264 programs, two on
-    every SM of the H200, where 64 left 8 SMs with one program and the other 124 setting the time)."""
+    whole power-of-two groups); the `combine` kernel takes any count, used with ANY_SPLITS (B = 1: 66 splits)."""
     if sliding:
         return RING_SPLITS if COMBINE_IN_KERNEL else 1
     fit = min(MAX_SPLITS, max(1, TARGET_PROGRAMS // (batch * kv_heads)))
