@@ -83,8 +83,11 @@ GM_SWEEP = {  # candidates; the one the table picks for the shape is timed first
                           gm.Block(256, 64, 64, 8, 3), gm.Block(128, 128, 64, 8, 3),
                           gm.Block(128, 128, 64, 8, 3, True), gm.Block(256, 64, 64, 8, 3, True)],
 }
+# 256-row blocks (32 tokens x 8 heads) halve the K/V each program streams from L2 per query token (a full layer's 8K
+# chunk: ~4.3 GB per layer at 128 rows); 16 warps keep their [256, 128] accumulator at 64 registers per thread.
 ATTN_SWEEP = [pa.DEFAULT_BLOCK, pa.Block(128, 64, 8, 2), pa.Block(128, 64, 8, 3, pv="bf16x2"), pa.Block(128, 128, 8, 3),
-              pa.Block(64, 64, 4, 3)]
+              pa.Block(64, 64, 4, 3), pa.Block(256, 64, 16, 3), pa.Block(256, 64, 16, 2), pa.Block(256, 32, 8, 3),
+              pa.Block(256, 64, 8, 2)]
 
 
 def log(msg: str) -> None:
@@ -619,7 +622,7 @@ def section_attn(run: Run, cfg: FlintConfig, T: int, long_ctx: int, tiny: bool, 
     sinks = jnp.zeros((Hq,), F32)
     res = run.results["attn"]
     interpret = jax.default_backend() == "cpu"
-    cases = ((0, "ring"), (0, "full"), (long_ctx - T, "full")) if phase == "main" else ((0, "full"),)
+    cases = ((0, "ring"), (0, "full"), (long_ctx - T, "full")) if phase == "main" else ((0, "full"), (0, "ring"))
     for offset, mode in cases:
         S = offset + T
         positions = (offset + jnp.arange(T, dtype=jnp.int32))[None]
@@ -632,7 +635,8 @@ def section_attn(run: Run, cfg: FlintConfig, T: int, long_ctx: int, tiny: bool, 
             full = FullCache(jnp.zeros((B, KV, S, D), BF16) + 0.01, jnp.zeros((B, KV, S, D), BF16) + 0.01)
             keys_per_q = offset + np.arange(T) + 1
         flops = 4 * Hq * D * float(keys_per_q.sum())
-        cands = [pa.DEFAULT_BLOCK] if phase == "main" else [b for b in ATTN_SWEEP if b != pa.DEFAULT_BLOCK]
+        cands = [pa.DEFAULT_BLOCK] if phase == "main" else ATTN_SWEEP
+        base = None  # the sweep compares every block's output with the default block's
         for blk in cands:
             label = f"{mode} T={T} offset={offset} {blk}"
             if not run.allows(5, f"attn {label}"):
@@ -647,7 +651,15 @@ def section_attn(run: Run, cfg: FlintConfig, T: int, long_ctx: int, tiny: bool, 
                 first, ms = time_fn(lambda: f(*args), reps=2)
                 m = min(ms)
                 res[label] = {"ms": m, "tflops": flops / m / 1e9, "compile_s": first}
-                log(f"attn ours {label}: {m:.3f} ms, {flops / m / 1e9:.1f} TFLOP/s")
+                diff = ""
+                if phase != "main":
+                    o = np.asarray(f(*args), np.float32)
+                    if base is None:
+                        base = o
+                    else:
+                        res[label]["max_abs_diff_vs_default"] = d = float(np.max(np.abs(o - base)))
+                        diff = f", max |o - default| {d:.3g}"
+                log(f"attn ours {label}: {m:.3f} ms, {flops / m / 1e9:.1f} TFLOP/s{diff}")
             except Exception as e:  # noqa: BLE001
                 run.error(f"attn {label}", e)
         if phase != "main":
@@ -941,10 +953,17 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep-kinds", default="nvfp4,bf16", help="weight formats of the grouped-GEMM block sweep")
     ap.add_argument("--profile", action="store_true",
                     help="also trace the one-chunk prefill with the kernels: device time by part and top kernels")
+    ap.add_argument("--attn-block", default=None, metavar="ROWS,BK,WARPS,STAGES",
+                    help="run with this prefill-attention block instead of prefill_attention.DEFAULT_BLOCK")
     ap.add_argument("--skip", default="",
                     help="comma list of sections to skip: moe,attn,prefill,ttft,extras (chunked and reference runs), "
                          "jax (jax's own MoE options)")
     args = ap.parse_args(argv)
+    if args.attn_block:
+        fields = args.attn_block.split(",")
+        if len(fields) != 4 or not all(f.strip().isdigit() for f in fields):
+            ap.error(f"--attn-block wants four integers ROWS,BK,WARPS,STAGES, got {args.attn_block!r}")
+        pa.DEFAULT_BLOCK = pa.Block(*(int(f) for f in fields))
     run = Run(args)
     tiny = args.tiny
     if tiny:
@@ -959,7 +978,7 @@ def main(argv=None) -> int:
     run.results["meta"] = {"device": f"{dev.platform} {dev.device_kind}", "jax": jax.__version__,
                            "config": "tiny" if tiny else "flint", "mode": "interpret" if tiny else "compiled",
                            "budget_s": args.budget_s, "tokens": N, "chunk": chunk, "long": long_n,
-                           "long_chunk": long_chunk}
+                           "long_chunk": long_chunk, "attn_block": str(pa.DEFAULT_BLOCK)}
     log(f"device {dev.device_kind}; prompt {N}, chunk {chunk}, long prompt {long_n}; budget {args.budget_s:.0f} s")
     run.save()
     try:
