@@ -7,6 +7,10 @@ and folds the sink in afterwards from the log-sum-exp it returns (o * 1 / (1 + e
 rounding). Both are timed over `--layers` distinct layers (more bytes than L2), device time from a profiler trace.
 
     python scripts/probe_mgpu_prefill_attention.py --out $OUT/mgpu      # on the GPU
+
+Outcome on the H200 (docs/BENCHMARKS.md, runs AJ and AK): ours 1,445 us per layer (380 TFLOP/s); attention_mgpu
+refused BF16 inputs (jax 0.11.2), and with f16 inputs the process died in native code. Kept as the record of that
+measurement and to retry with a later jax.
 """
 
 from __future__ import annotations
