@@ -147,6 +147,24 @@ def time_fn(fn, reps: int = 3):
     return first, ms
 
 
+def kernel_ms(fn) -> float | None:
+    """Device time of one call of fn(): the sum of its kernels' durations from a profiler trace, ms (None without
+    device events, on the CPU). A one-layer wall-clock time carries the host's dispatch and varies by tens of
+    percent between identical calls (run AM: the default attention block at 0.55 and 0.94 ms a few seconds apart),
+    too much to rank blocks by; the sweeps rank by this instead."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        events = device_trace.trace_kernels(fn, d)
+    if not events:
+        return None
+    return device_trace.summarize(events, 1)["kernel_us_per_step"] / 1e3
+
+
+def rank_ms(row: dict) -> float:
+    """What the sweeps rank by: device time where there is one, else wall time."""
+    return row.get("device_ms") or row["ms"]
+
+
 def bf16_ulp_stats(a, b, value_max: float | None = None) -> dict:
     """Kernel output a against reference b. ulps count BF16 steps between the two (large where a value near 0
     flips sign, so not the pass criterion); `scaled_err` is max |a - b| / (2^-7 |b| + 2^-8 rms(b)), the tests'
@@ -551,15 +569,19 @@ def section_moe(run: Run, cfg: FlintConfig, tokens: int, tiny: bool, phase: str 
                     first, ms = time_fn(lambda: fn(xin, *w_args, sizes))
                     m = min(ms)
                     flops = 2 * fl_gate if mode == "swiglu" else fl_gate
-                    out[f"ours {mode} {blk}"] = {"ms": m, "tflops": flops / m / 1e9, "compile_s": first,
-                                                 "mode": mode, "block": dataclasses.asdict(blk)}
-                    log(f"moe {kind} ours {mode} {blk}: {m:.3f} ms, {flops / m / 1e9:.1f} TFLOP/s")
+                    row = out[f"ours {mode} {blk}"] = {"ms": m, "tflops": flops / m / 1e9, "compile_s": first,
+                                                       "mode": mode, "block": dataclasses.asdict(blk)}
+                    dev = kernel_ms(lambda: fn(xin, *w_args, sizes)) if phase != "jax" else None
+                    if dev:
+                        row.update(device_ms=dev, device_tflops=flops / dev / 1e9)
+                    log(f"moe {kind} ours {mode} {blk}: {m:.3f} ms, {flops / m / 1e9:.1f} TFLOP/s"
+                        + (f"; device {dev:.3f} ms" if dev else ""))
                 except Exception as e:  # noqa: BLE001
                     run.error(f"moe {kind} ours {mode} {blk}", e)
             timed = [v for v in out.values() if isinstance(v, dict) and v.get("mode") == mode]
-            picks.append(min(timed, key=lambda v: v["ms"]) if timed else None)
+            picks.append(min(timed, key=rank_ms) if timed else None)
         if all(p is not None for p in picks):
-            total = sum(p["ms"] for p in picks)
+            total = sum(rank_ms(p) for p in picks)
             out["ours layer (best blocks so far)"] = {"ms": total, "tflops": fl_layer / total / 1e9,
                                                       "blocks": [p["block"] for p in picks]}
         if phase == "sweep":
@@ -651,14 +673,18 @@ def section_attn(run: Run, cfg: FlintConfig, T: int, long_ctx: int, tiny: bool, 
                 first, ms = time_fn(lambda: f(*args), reps=2)
                 m = min(ms)
                 res[label] = {"ms": m, "tflops": flops / m / 1e9, "compile_s": first}
+                dev = kernel_ms(lambda: f(*args))
                 diff = ""
+                if dev:
+                    res[label].update(device_ms=dev, device_tflops=flops / dev / 1e9)
+                    diff = f"; device {dev:.3f} ms, {flops / dev / 1e9:.1f} TFLOP/s"
                 if phase != "main":
                     o = np.asarray(f(*args), np.float32)
                     if base is None:
                         base = o
                     else:
                         res[label]["max_abs_diff_vs_default"] = d = float(np.max(np.abs(o - base)))
-                        diff = f", max |o - default| {d:.3g}"
+                        diff += f", max |o - default| {d:.3g}"
                 log(f"attn ours {label}: {m:.3f} ms, {flops / m / 1e9:.1f} TFLOP/s{diff}")
             except Exception as e:  # noqa: BLE001
                 run.error(f"attn {label}", e)
@@ -848,6 +874,10 @@ def section_ttft(run: Run, cfg: FlintConfig, kind: str, params, n_tokens: int, c
 
 
 # ---- report -----------------------------------------------------------------------------------------------------------
+def _dev(row: dict) -> str:
+    return f"{row['device_ms']:.3f}" if row.get("device_ms") else "-"
+
+
 def markdown(r: dict) -> str:
     try:
         return _markdown(r)
@@ -875,22 +905,23 @@ def _markdown(r: dict) -> str:
                   f"{c['rows_with_other_experts']:.4%}, ok {c['ok']}.", ""]
     moe = r.get("moe", {})
     if moe:
-        lines += [f"## MoE expert GEMMs, one layer ({moe.get('shape')})", "", "| weights | variant | ms | TFLOP/s |",
-                  "|---|---|---|---|"]
+        lines += [f"## MoE expert GEMMs, one layer ({moe.get('shape')})", "",
+                  "| weights | variant | ms (wall) | TFLOP/s | device ms |", "|---|---|---|---|---|"]
         for kind in ("nvfp4", "bf16"):
             for k, v in moe.get(kind, {}).items():
                 if "ms" in v:
-                    lines.append(f"| {kind} | {k} | {v['ms']:.3f} | {v['tflops']:.1f} |")
+                    lines.append(f"| {kind} | {k} | {v['ms']:.3f} | {v['tflops']:.1f} | {_dev(v)} |")
                 else:
-                    lines.append(f"| {kind} | {k} | {v.get('error', v.get('skipped', ''))[:120]} | |")
+                    lines.append(f"| {kind} | {k} | {v.get('error', v.get('skipped', ''))[:120]} | | |")
         lines.append("")
     if r.get("attn"):
-        lines += ["## Prefill attention (batch 1, one chunk)", "", "| case | ms | TFLOP/s |", "|---|---|---|"]
+        lines += ["## Prefill attention (batch 1, one chunk)", "", "| case | ms (wall) | TFLOP/s | device ms |",
+                  "|---|---|---|---|"]
         for k, v in r["attn"].items():
             if isinstance(v, dict) and "ms" in v:
-                lines.append(f"| {k} | {v['ms']:.3f} | {v['tflops']:.1f} |")
+                lines.append(f"| {k} | {v['ms']:.3f} | {v['tflops']:.1f} | {_dev(v)} |")
             elif isinstance(v, dict) and "skipped" in v:
-                lines.append(f"| {k} | skipped: {v['skipped']} | |")
+                lines.append(f"| {k} | skipped: {v['skipped']} | | |")
         lines.append("")
     if r.get("prefill"):
         lines += ["## Prefill, batch 1 (target: <= 145 ms for 8,192 tokens, vLLM on a GB200)", "",

@@ -79,6 +79,19 @@ def test_bench_prefill_tiny(tmp_path):
     assert "the engine's path" in (tmp_path / "bench_prefill.md").read_text()
 
 
+def test_bench_prefill_tiny_kernel_sections(tmp_path):
+    """The one-layer MoE and attention sections on the CPU: every timed row has a wall time and, where the backend
+    has device events (not here), a device time; the Markdown report has both columns."""
+    run_script("bench_prefill.py", "--tiny", "--out", str(tmp_path), "--weights", "nvfp4",
+               "--skip", "prefill,ttft,extras,jax", "--no-sweep")
+    res = json.loads((tmp_path / "bench_prefill.json").read_text())
+    ours = [k for k in res["attn"] if not k.startswith("reference")]
+    assert {k.split()[0] for k in ours} == {"ring", "full"}
+    assert all(res["attn"][k]["ms"] > 0 and "device_ms" not in res["attn"][k] for k in ours)
+    assert any(k.startswith("ours swiglu") for k in res["moe"]["nvfp4"])
+    assert "| device ms |" in (tmp_path / "bench_prefill.md").read_text()
+
+
 def test_mosaic_gpu_probes_lower_for_cuda(tmp_path):
     """The Mosaic GPU probes lower for CUDA on the CPU (their kernels run only on the device machine): the PDL
     variants carry the launch attribute, the others do not."""
