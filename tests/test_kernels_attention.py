@@ -325,4 +325,3 @@ def test_qkv_projection(weights, B):
     want = AP.ref_qkv_projection(h, layer.attn_norm, layer.attn, CFG)
     assert got.shape == (B, CFG.num_attention_heads + 2 * CFG.num_key_value_heads, CFG.head_dim)
     assert_ulp_close(got, want)
-
