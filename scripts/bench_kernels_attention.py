@@ -310,6 +310,7 @@ def bench_qkv_variant(cfg, peak, rows, weights, B, copies, bn, bk, warps, reps=1
         nb = sum(x.nbytes for x in jax.tree.leaves((layers[0].attn.q, layers[0].attn.k, layers[0].attn.v)))
         row = dict(kernel=f"qkv_projection {weights} BN={bn} BK={bk} warps={warps}", shape=f"B={B}", context=0,
                    us=t * 1e6, GBps=nb / t / 1e9, pct_peak=100 * nb / t / peak, rel_err=rel_err(got, want)[0])
+        add_device_time(row, lambda: f(layers), copies, nb)
         rows.append(row)
         log(json.dumps(row))
     finally:
