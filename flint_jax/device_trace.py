@@ -8,6 +8,7 @@ profiler and reads the GPU kernel events back from the Perfetto trace:
     events = trace_kernels(lambda: step_n_times(), trace_dir)
     spans = step_spans(events, steps=5)       # per step: first kernel start -> last kernel end (ms)
     table = summarize(events, steps=5)        # per kernel name: launches, mean/total us per step
+    table = trace_call(lambda: step_n_times(), steps=5)   # both in one, in a temporary directory
 
 Steps are split by count (every step launches the same kernels). On the CPU the trace has no device events:
 `trace_kernels` returns an empty list and callers report "no device trace".
@@ -54,6 +55,15 @@ def trace_kernels(run: Callable[[], object], trace_dir: str) -> list[dict]:
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
         jax.block_until_ready(run())
     return read_kernel_events(trace_dir)
+
+
+def trace_call(run: Callable[[], object], steps: int = 1) -> dict | None:
+    """summarize() of `run()` (which runs `steps` equal steps) traced into a temporary directory; None without device
+    events (CPU runs)."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        events = trace_kernels(run, d)
+    return summarize(events, steps) if events else None
 
 
 def step_spans(events: list[dict], steps: int) -> list[float]:

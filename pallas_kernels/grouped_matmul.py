@@ -17,11 +17,9 @@ belong to the next expert's visits). A tile that would run past the last row sta
 [R - BM, R)); it still stores only its own rows. Visits past the real count do nothing. Only the selected experts'
 work is done: an empty expert has no visit, and all tokens on one expert is R/BM visits of that expert.
 
-NVFP4 decode (integer ops only; the Triton lowering has no fp4/fp8 conversions we rely on): an E2M1 code
-c = s e e m becomes the f16 bit pattern (c & 7) << 9 | (c & 8) << 12, which is exactly E2M1(c) * 2^-14 (the code
-0.5 is an f16 subnormal, still exact), and an E4M3 byte b becomes (b & 0x7f) << 7 | (b & 0x80) << 8, exactly
-E4M3(b) * 2^-8. The f32 product times 2^22 is the weight value, exact in BF16 (at most 6 significant bits), so the
-tensor-core dot sees the same BF16 weights as the reference. A K step of BK bytes of codes covers values
+NVFP4 decode (integer ops only; the Triton lowering has no fp4/fp8 conversions we rely on): nvfp4.decode_codes and
+decode_scales turn code and scale bytes into f32 values whose product is the weight value, exact in BF16 (at most 6
+significant bits), so the tensor-core dot sees the same BF16 weights as the reference. A K step of BK bytes of codes covers values
 [c0, c0 + BK) (low nibbles) and [K/2 + c0, K/2 + c0 + BK) (high nibbles): two dots against two x slices.
 That is `Block.decode = "int"`; the default "packed" decode (inline PTX on four code bytes at once, about a third
 of the instructions; see _decode_packed) gives the same BF16 weights times 2^-8, undone in the epilogue. Interpret
@@ -44,7 +42,6 @@ from jax.experimental.pallas import triton as plt
 from flint_jax import layers as L
 from flint_jax import nvfp4
 from flint_jax.nvfp4 import NVFP4Weight
-from flint_jax.pallas_kernels import weight_tiles as wt
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 GROUP = nvfp4.BLOCK  # values per E4M3 scale
@@ -186,26 +183,22 @@ def _fit(block: Block, kind: str, n: int, k: int) -> Block:
 
 
 # ---- kernel -----------------------------------------------------------------------------------------------------
-def _f16_bits(bits: jax.Array) -> jax.Array:
-    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.float16).astype(F32)
+def _dequant(codes: jax.Array, sb_lo: jax.Array, sb_hi: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """codes uint8 [bn, bk], scale bytes uint8 [bn, bk/16] of each half -> the BF16 weight values [bn, bk] of the
+    low and the high nibbles (nvfp4.decode_codes / decode_scales: E2M1 * 2^-14 times E4M3 * 2^14, exact)."""
+    lo, hi = nvfp4.decode_codes(codes)
+    bn, bk = lo.shape
 
-
-def _dequant(codes: jax.Array, scale_bytes: jax.Array, high: bool) -> jax.Array:
-    """codes uint8 [bn, bk] (one nibble used), scale bytes uint8 [bn, bk/16] -> BF16 weight values [bn, bk]."""
-    c = codes.astype(jnp.int32)
-    if high:
-        c = c >> 4
-    v = _f16_bits(((c & 0x7) << 9) | ((c & 0x8) << 12))  # E2M1 * 2^-14
-    s = wt.decode_scales(scale_bytes)  # E4M3 * 2^14, which cancels the codes' 2^-14
-    bn, bk = v.shape
-    vals = v.reshape(bn, bk // GROUP, GROUP) * s[:, :, None]
-    return vals.reshape(bn, bk).astype(BF16)
+    def scaled(v, sb):
+        return (v.reshape(bn, bk // GROUP, GROUP) * nvfp4.decode_scales(sb)[:, :, None]).reshape(bn, bk).astype(BF16)
+    return scaled(lo, sb_lo), scaled(hi, sb_hi)
 
 
 # ---- packed NVFP4 decode ---------------------------------------------------------------------------------------
-# The "int" decode above spends ~10 integer and conversion instructions per weight value on the CUDA cores, as
-# many cycles as the tensor cores spend on the value's 256 products (run Z: the NVFP4 grouped GEMMs take 73 ms of an
-# 8K prefill against 42 ms for BF16 weights). The packed decode works on 32-bit registers holding two BF16 lanes:
+# The "int" decode as runs Z-AH timed it spent ~10 integer and conversion instructions per weight value on the CUDA
+# cores, as many cycles as the tensor cores spend on the value's 256 products (run Z: the NVFP4 grouped GEMMs take
+# 73 ms of an 8K prefill against 42 ms for BF16 weights). (It now shares nvfp4.decode_codes, which builds both
+# nibbles of a byte in one word: the same values, not timed since.) The packed decode works on 32-bit registers holding two BF16 lanes:
 # per 4 code bytes (8 values) two byte permutes spread the bytes over 16-bit lanes; per lane pair, shifts and masks
 # place a nibble's magnitude bits (e e m) in the BF16 exponent/mantissa bits 8..6 and its sign in bit 15, which is
 # exactly E2M1(c) * 2^-126 (the code 0.5 is a BF16 subnormal, still exact); one BF16x2 FMA multiplies by the scale
@@ -234,7 +227,7 @@ def _packed_ptx(high: bool) -> str:
 
 def _packed_scale(scale_bytes: jax.Array, bk: int) -> jax.Array:
     """E4M3 scale bytes [bn, bk/16] -> BF16 E4M3 * 2^118 broadcast over each group's 16 values -> [bn, bk]."""
-    s = (wt.decode_scales(scale_bytes) * (2.0 ** 104)).astype(BF16)  # E4M3 * 2^14 * 2^104, exact
+    s = (nvfp4.decode_scales(scale_bytes) * (2.0 ** 104)).astype(BF16)  # E4M3 * 2^14 * 2^104, exact
     bn = s.shape[0]
     return jnp.broadcast_to(s[:, :, None], (bn, bk // GROUP, GROUP)).reshape(bn, bk)
 
@@ -248,7 +241,7 @@ def _decode_packed(codes: jax.Array, s_lo: jax.Array, s_hi: jax.Array, *, ptx: b
         return tuple(plt.elementwise_inline_asm(_packed_ptx(high), args=[codes, s], constraints="=r,=r,r,r,r",
                                                 pack=4, result_shape_dtypes=[out])[0]
                      for high, s in ((False, s_lo), (True, s_hi)))
-    lo, hi = wt.decode_codes(codes)  # E2M1 * 2^-14, FP32
+    lo, hi = nvfp4.decode_codes(codes)  # E2M1 * 2^-14, FP32
     return ((lo * (s_lo.astype(F32) * 2.0 ** -112)).astype(BF16),
             (hi * (s_hi.astype(F32) * 2.0 ** -112)).astype(BF16))
 
@@ -306,8 +299,7 @@ def _kernel(e_ref, r0_ref, lo_ref, hi_ref, x_ref, *refs, kind, n_w, mode, blk, k
                         w_lo, w_hi = _decode_packed(cb, _packed_scale(sb_lo, bk), _packed_scale(sb_hi, bk),
                                                     ptx=not interpret)
                     else:
-                        w_lo = _dequant(cb, sb_lo, high=False)
-                        w_hi = _dequant(cb, sb_hi, high=True)
+                        w_lo, w_hi = _dequant(cb, sb_lo, sb_hi)
                     out.append(acc + prod(x_lo, w_lo) + prod(x_hi, w_hi))
                 return tuple(out)
             steps = half // bk

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from flint_jax import nvfp4
-from flint_jax.nvfp4 import NVFP4Weight, decode_codes, decode_scales  # noqa: F401  (the kernels' decode)
+from flint_jax.nvfp4 import NVFP4Weight, decode_codes, decode_scales
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 GROUP = nvfp4.BLOCK  # values per E4M3 scale = bytes per row of the codes' last axis

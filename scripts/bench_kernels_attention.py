@@ -76,13 +76,10 @@ def device_us(fn, copies):
     copy, first-kernel-start to last-kernel-end span per copy), in us, from a profiler trace; (None, None) without
     device events (CPU). Wall-clock timing above includes the host's dispatch of the chained call; this is what
     the GPU spent, as in the decode step's own trace."""
-    import tempfile
     from flint_jax import device_trace
-    with tempfile.TemporaryDirectory() as d:
-        events = device_trace.trace_kernels(fn, d)
-    if not events:
+    summary = device_trace.trace_call(fn)
+    if summary is None:
         return None, None
-    summary = device_trace.summarize(events, 1)
     return summary["kernel_us_per_step"] / copies, summary["step_spans_ms"][0] * 1e3 / copies
 
 

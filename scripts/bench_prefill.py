@@ -83,8 +83,9 @@ GM_SWEEP = {  # candidates; the one the table picks for the shape is timed first
                           gm.Block(256, 64, 64, 8, 3), gm.Block(128, 128, 64, 8, 3),
                           gm.Block(128, 128, 64, 8, 3, True), gm.Block(256, 64, 64, 8, 3, True)],
 }
-# 256-row blocks (32 tokens x 8 heads) halve the K/V each program streams from L2 per query token (a full layer's 8K
-# chunk: ~4.3 GB per layer at 128 rows); 16 warps keep their [256, 128] accumulator at 64 registers per thread.
+# 256-row blocks (32 tokens x 8 heads) halve the K/V each program streams from L2 per query token (computed: ~4.3 GB
+# per full layer's 8K chunk at 128 rows); 16 warps keep their [256, 128] accumulator at 64 registers per thread.
+# Measured in run AM: slower than the default inside the prefill program (docs/BENCHMARKS.md).
 ATTN_SWEEP = [pa.DEFAULT_BLOCK, pa.Block(128, 64, 8, 2), pa.Block(128, 64, 8, 3, pv="bf16x2"), pa.Block(128, 128, 8, 3),
               pa.Block(64, 64, 4, 3), pa.Block(256, 64, 16, 3), pa.Block(256, 64, 16, 2), pa.Block(256, 32, 8, 3),
               pa.Block(256, 64, 8, 2)]
@@ -152,12 +153,8 @@ def kernel_ms(fn) -> float | None:
     device events, on the CPU). A one-layer wall-clock time carries the host's dispatch and varies by tens of
     percent between identical calls (run AM: the default attention block at 0.55 and 0.94 ms a few seconds apart),
     too much to rank blocks by; the sweeps rank by this instead."""
-    import tempfile
-    with tempfile.TemporaryDirectory() as d:
-        events = device_trace.trace_kernels(fn, d)
-    if not events:
-        return None
-    return device_trace.summarize(events, 1)["kernel_us_per_step"] / 1e3
+    summary = device_trace.trace_call(fn)
+    return None if summary is None else summary["kernel_us_per_step"] / 1e3
 
 
 def rank_ms(row: dict) -> float:

@@ -1,6 +1,7 @@
 """flint_jax.device_trace on a hand-written Perfetto trace: the GPU's stream kernels only, split into steps."""
 import gzip
 import json
+import pytest
 
 from flint_jax import device_trace
 
@@ -45,3 +46,13 @@ def test_steps_that_do_not_divide_give_no_spans(tmp_path):
     events = device_trace.read_kernel_events(write_trace(tmp_path))
     assert device_trace.step_spans(events, 4) == []
     assert device_trace.device_ms(events, 4) is None
+
+
+def test_trace_call_is_none_without_device_events():
+    """On the CPU a traced call has no device kernel events: trace_call says so instead of an empty summary."""
+    import jax
+    import jax.numpy as jnp
+    from flint_jax import device_trace
+    if jax.default_backend() != "cpu":
+        pytest.skip("device events exist on this backend")
+    assert device_trace.trace_call(lambda: jnp.ones(3) * 2) is None
