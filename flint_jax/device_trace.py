@@ -9,6 +9,7 @@ profiler and reads the GPU kernel events back from the Perfetto trace:
     spans = step_spans(events, steps=5)       # per step: first kernel start -> last kernel end (ms)
     table = summarize(events, steps=5)        # per kernel name: launches, mean/total us per step
     table = trace_call(lambda: step_n_times(), steps=5)   # both in one, in a temporary directory
+    gaps = idle_gaps(events, steps=5)          # device idle time inside steps, by the kernel that ends each gap
 
 Steps are split by count (every step launches the same kernels). On the CPU the trace has no device events:
 `trace_kernels` returns an empty list and callers report "no device trace".
@@ -83,6 +84,29 @@ def device_ms(events: list[dict], steps: int) -> float | None:
     """Median device span of a step (ms), or None without device events."""
     spans = step_spans(events, steps)
     return statistics.median(spans) if spans else None
+
+
+def idle_gaps(events: list[dict], steps: int, top: int = 15) -> dict:
+    """Where the device sits idle inside the steps: per kernel name, the gaps that end at its launches (from the
+    latest end of any earlier kernel to its start; overlapping kernels leave no gap). Gaps between steps (the host)
+    are not counted. {"idle_us_per_step", "rows": [{"name", "gaps_per_step", "idle_us_per_step", "mean_us"}]}
+    (the `top` names with the most idle time)."""
+    if not events or len(events) % steps:
+        return {"idle_us_per_step": 0.0, "rows": []}
+    n = len(events) // steps
+    by_name = collections.defaultdict(list)
+    for i in range(steps):
+        end = None
+        for e in events[i * n:(i + 1) * n]:
+            start = float(e["ts"])
+            if end is not None and start > end:
+                by_name[e["name"]].append(start - end)
+            end = start + float(e["dur"]) if end is None else max(end, start + float(e["dur"]))
+    total = sum(sum(g) for g in by_name.values())
+    rows = [{"name": name, "gaps_per_step": len(g) / steps, "idle_us_per_step": sum(g) / steps,
+             "mean_us": sum(g) / len(g)}
+            for name, g in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]]
+    return {"idle_us_per_step": total / steps, "rows": rows}
 
 
 def summarize(events: list[dict], steps: int) -> dict:

@@ -70,18 +70,22 @@ F32, BF16 = jnp.float32, jnp.bfloat16
 VLLM_GB200_8K_MS = 145.0
 T0 = time.time()
 
-# Block sweep candidates (all checked to compile for sm_90 without register spills with Triton 3.6).
+# Block sweep candidates. Spills checked on the CPU for sm_90 with Triton 3.6 and ptxas -v (docs/KERNELS.md, "Backend
+# and GPU checks without a GPU"), as the prefill calls them (rows gathered / scattered by index): the BF16 blocks and
+# the NVFP4 blocks listed as spill-free have none; the NVFP4 SwiGLU default spills 192 bytes at 255 registers.
 GM_SWEEP = {  # candidates; the one the table picks for the shape is timed first (phase main), the rest in sweeps
     ("bf16", "swiglu"): [gm.Block(128, 128, 64, 8, 3), gm.Block(64, 128, 64, 8, 3), gm.Block(64, 64, 64, 4, 4)],
     ("bf16", "linear"): [gm.Block(128, 128, 64, 8, 3), gm.Block(64, 128, 64, 4, 3), gm.Block(64, 256, 64, 8, 3)],
-    # NVFP4: the packed decode (Block.decode, the default) against the integer one at the table's blocks, then tile
-    # sizes that the cheaper decode may now favour (128-row tiles decode an expert's weights twice per visit pair).
-    ("nvfp4", "swiglu"): [gm.Block(256, 64, 64, 8, 3), gm.Block(256, 64, 64, 8, 3, decode="int"),
-                          gm.Block(128, 128, 64, 8, 3), gm.Block(128, 64, 64, 8, 3), gm.Block(256, 64, 64, 8, 4),
-                          gm.Block(256, 64, 64, 8, 3, True)],
-    ("nvfp4", "linear"): [gm.NVFP4_LINEAR_LHS, dataclasses.replace(gm.NVFP4_LINEAR_LHS, decode="int"),
-                          gm.Block(256, 64, 64, 8, 3), gm.Block(128, 128, 64, 8, 3),
-                          gm.Block(128, 128, 64, 8, 3, True), gm.Block(256, 64, 64, 8, 3, True)],
+    # NVFP4 (packed decode): 16 warps hold the 256-row tile's two FP32 accumulators in 64 registers per thread
+    # (128 in all, 16 bytes spilled; 8 warps: 255 and 192 bytes spilled); BK 32 bytes (28 spilled); BN 32 and
+    # 128-row tiles without spills, at the price of narrower dots or decoding each weight tile twice.
+    ("nvfp4", "swiglu"): [gm.Block(256, 64, 64, 8, 3), gm.Block(256, 64, 64, 16, 3), gm.Block(256, 64, 64, 16, 2),
+                          gm.Block(256, 64, 32, 16, 4), gm.Block(256, 64, 32, 8, 3), gm.Block(256, 32, 64, 8, 3),
+                          gm.Block(128, 64, 64, 8, 3), gm.Block(128, 64, 64, 16, 3)],
+    # The table's (128, 64, 64, 4, 3, lhs) and the 256-row tiles that decode each weight tile once (8 warps: no
+    # spill; 16 warps: 8 bytes), and the table's tile at 8 warps.
+    ("nvfp4", "linear"): [gm.NVFP4_LINEAR_LHS, gm.Block(256, 64, 64, 8, 3), gm.Block(256, 64, 64, 16, 3),
+                          gm.Block(128, 64, 64, 8, 3, True)],
 }
 # 256-row blocks (32 tokens x 8 heads) halve the K/V each program streams from L2 per query token (computed: ~4.3 GB
 # per full layer's 8K chunk at 128 rows); 16 warps keep their [256, 128] accumulator at 64 registers per thread.
@@ -506,7 +510,9 @@ def section_check(run: Run, cfg: FlintConfig, tiny: bool) -> None:
 
 
 def moe_inputs(cfg: FlintConfig, tokens: int):
-    """A layer's routed experts in both formats and `tokens` tokens routed uniformly at random (top-k distinct)."""
+    """`tokens` tokens routed uniformly at random (top-k distinct): (the (token, slot) pairs' rows sorted by expert
+    [N*K, H], group sizes [E], the tokens [N, H], the sort order [N*K]: sorted pair r is pair order[r], token
+    order[r] // K)."""
     E, I, H, K = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size, cfg.num_experts_per_tok
     ks = jax.random.split(jax.random.key(21), 8)
     b = jax.random.normal(ks[0], (tokens, H), F32).astype(BF16)
@@ -516,7 +522,7 @@ def moe_inputs(cfg: FlintConfig, tokens: int):
     order = jnp.argsort(flat, stable=True)
     x = b[order // K]
     sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
-    return x, sizes
+    return x, sizes, b, order.astype(jnp.int32)
 
 
 def section_moe(run: Run, cfg: FlintConfig, tokens: int, tiny: bool, phase: str = "main") -> None:
@@ -525,7 +531,7 @@ def section_moe(run: Run, cfg: FlintConfig, tokens: int, tiny: bool, phase: str 
     long compile must not eat their budget); "sweep": the other block candidates (the best per kernel is reported)."""
     E, I, H = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
     K = cfg.num_experts_per_tok
-    x, sizes = jax.jit(moe_inputs, static_argnums=(0, 1))(cfg, tokens)
+    x, sizes, tok, order = jax.jit(moe_inputs, static_argnums=(0, 1))(cfg, tokens)
     R = x.shape[0]
     res = run.results["moe"]
     res["shape"] = {"tokens": tokens, "pairs": R, "experts": E, "H": H, "I": I}
@@ -552,16 +558,19 @@ def section_moe(run: Run, cfg: FlintConfig, tokens: int, tiny: bool, phase: str 
         act = jax.jit(gm.ref_grouped_swiglu)(x, g, u, sizes) if phase != "jax" else None
         out = res.setdefault(kind, {})
         picks = []
-        for mode, w_args, xin in (("swiglu", (g, u), x), ("linear", (d,), act)):
+        # As flint_jax.prefill calls them: SwiGLU gathers each pair's token row by index, the down projection
+        # scatters each result to its pair's row (the sorted copy and the un-permuting gather are not made).
+        index_args = ({"rows": order // K}, {"out_rows": order, "out_size": R})
+        for (mode, w_args, xin), idx in zip((("swiglu", (g, u), tok), ("linear", (d,), act)), index_args):
             default = gm.default_block(kind, mode, R / E)
             cands = {"main": [default], "jax": [],
                      "sweep": [b for b in GM_SWEEP[(kind, mode)] if b != default]}[phase]
             for blk in cands:
                 if not run.allows(4 if not tiny else 1, f"moe {kind} {mode} {blk}"):
                     break
-                fn = (jax.jit(functools.partial(gm.grouped_swiglu, block=blk, interpret=interpret))
+                fn = (jax.jit(functools.partial(gm.grouped_swiglu, block=blk, interpret=interpret, **idx))
                       if mode == "swiglu" else
-                      jax.jit(functools.partial(gm.grouped_matmul, block=blk, interpret=interpret)))
+                      jax.jit(functools.partial(gm.grouped_matmul, block=blk, interpret=interpret, **idx)))
                 try:
                     first, ms = time_fn(lambda: fn(xin, *w_args, sizes))
                     m = min(ms)
@@ -743,8 +752,11 @@ def profile_prefill(runner, params, tokens: np.ndarray, chunk: int, out_dir: str
     for r in summary["rows"]:
         c = kernel_category(r["name"])
         parts[c] = parts.get(c, 0.0) + r["us_per_step"] / 1e3
+    gaps = device_trace.idle_gaps(events, 1)
     return {"device_span_ms": device_trace.device_ms(events, 1), "kernel_ms": summary["kernel_us_per_step"] / 1e3,
-            "launches": int(summary["launches_per_step"]),
+            "launches": int(summary["launches_per_step"]), "idle_ms": gaps["idle_us_per_step"] / 1e3,
+            "idle_before": [{"name": r["name"][:90], "gaps": int(r["gaps_per_step"]), "ms": r["idle_us_per_step"] / 1e3,
+                             "mean_us": r["mean_us"]} for r in gaps["rows"]],
             "parts_ms": dict(sorted(parts.items(), key=lambda kv: -kv[1])),
             "top": [{"name": r["name"][:90], "count": int(r["per_step"]), "ms": r["us_per_step"] / 1e3}
                     for r in summary["rows"][:15]]}
@@ -943,6 +955,12 @@ def _markdown(r: dict) -> str:
             lines += ["", "| kernel | launches | ms |", "|---|---|---|"]
             lines += [f"| `{t['name']}` | {t['count']} | {t['ms']:.2f} |" for t in v["top"]]
             lines.append("")
+            if v.get("idle_before"):
+                lines += [f"Device idle inside the traced prefill: {v['idle_ms']:.1f} ms, by the kernel that ends each "
+                          "gap:", "", "| idle before | gaps | ms | mean us |", "|---|---|---|---|"]
+                lines += [f"| `{t['name']}` | {t['gaps']} | {t['ms']:.2f} | {t['mean_us']:.1f} |"
+                          for t in v["idle_before"]]
+                lines.append("")
     if r.get("ttft"):
         lines += ["## Time to first token, long prompt", ""]
         for kind, d in r["ttft"].items():

@@ -42,6 +42,20 @@ def test_reads_stream_kernels_and_step_spans(tmp_path):
     assert table["rows"][0]["name"] == "attn" and table["rows"][0]["us_per_step"] == 11.0
 
 
+def test_idle_gaps_are_attributed_to_the_kernel_that_ends_them(tmp_path):
+    events = device_trace.read_kernel_events(write_trace(tmp_path))
+    gaps = device_trace.idle_gaps(events, 3)
+    # 2 us before attn and before moe_down in each step; the 900 us host gap between steps is not device idle time
+    assert gaps["idle_us_per_step"] == 4.0
+    assert {r["name"]: r["idle_us_per_step"] for r in gaps["rows"]} == {"attn": 2.0, "moe_down": 2.0}
+    # an overlapping kernel (another stream) leaves no gap, and the gap after it starts at the later end
+    ev = [{"name": "a", "ts": 0.0, "dur": 10.0}, {"name": "b", "ts": 5.0, "dur": 20.0},
+          {"name": "c", "ts": 12.0, "dur": 1.0}, {"name": "d", "ts": 30.0, "dur": 1.0}]
+    gaps = device_trace.idle_gaps(ev, 1)
+    assert gaps["idle_us_per_step"] == 5.0 and gaps["rows"] == [
+        {"name": "d", "gaps_per_step": 1.0, "idle_us_per_step": 5.0, "mean_us": 5.0}]
+
+
 def test_steps_that_do_not_divide_give_no_spans(tmp_path):
     events = device_trace.read_kernel_events(write_trace(tmp_path))
     assert device_trace.step_spans(events, 4) == []
