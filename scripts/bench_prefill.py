@@ -70,6 +70,16 @@ F32, BF16 = jnp.float32, jnp.bfloat16
 VLLM_GB200_8K_MS = 145.0
 T0 = time.time()
 
+# Blocks timed besides the table's at the synthetic model's routing (section_moe "program_routing"): 128-row tiles
+# split an expert past 256 rows into fewer idle rows than a second 256-row visit.
+PROGRAM_ROUTING_EXTRA = {("nvfp4", "swiglu"): [gm.Block(128, 64, 64, 8, 3)]}
+
+# XLA options the whole-chunk program can be compiled with besides the engine's defaults (--program-variants). At
+# the end of each prefill call XLA updates the command buffer (CUDA graph, ~3,100 kernel nodes) it recorded for the
+# program where buffer addresses moved; run AN's trace showed the device idle for 10 ms before the program's first
+# kernel. Without command buffers the host launches each kernel instead.
+PROGRAM_VARIANTS = {"default": None, "no_command_buffers": {"xla_gpu_enable_command_buffer": ""}}
+
 # Block sweep candidates. Spills checked on the CPU for sm_90 with Triton 3.6 and ptxas -v (docs/KERNELS.md, "Backend
 # and GPU checks without a GPU"), as the prefill calls them (rows gathered / scattered by index): the BF16 blocks and
 # the NVFP4 blocks listed as spill-free have none; the NVFP4 SwiGLU default spills 192 bytes at 255 registers.
@@ -105,7 +115,7 @@ class Run:
     def __init__(self, args):
         self.args = args
         self.deadline = T0 + args.budget_s
-        self.results: dict = {"meta": {}, "check": {}, "moe": {}, "attn": {}, "prefill": {}, "ttft": {},
+        self.results: dict = {"meta": {}, "check": {}, "moe": {}, "attn": {}, "prefill": {}, "ttft": {}, "routing": {},
                               "skipped": [], "errors": []}
         os.makedirs(args.out, exist_ok=True)
 
@@ -248,6 +258,7 @@ class Runner:
         self.inputs = jax.jit(_chunk_inputs, static_argnames=("T",))
         self.head = jax.jit(lambda fn, w, h, n_new: L.logits_from_hidden(M.last_hidden(h, n_new), fn, w,
                                                                           cfg.rms_norm_eps))
+        self.on_mlp_input = None  # f(layer index, h, layer, valid) before each layer's MLP half (routing_balance)
 
     def chunk(self, params, state: KVState, tokens, n_new):
         T = tokens.shape[1]
@@ -256,6 +267,8 @@ class Runner:
         caches = []
         for i, (layer, cache) in enumerate(zip(params.layers, state.layers)):
             h, cache = self.attn(h, layer, cache, positions, valid, lengths_after, sliding=self.cfg.is_sliding(i))
+            if self.on_mlp_input is not None:
+                self.on_mlp_input(i, h, layer, valid)
             h = self.mlp(h, layer)
             caches.append(cache)
         return h, KVState(layers=tuple(caches), lengths=lengths_after)
@@ -282,8 +295,12 @@ class ProgramRunner:
     state. Compiles the whole chunk program once per chunk shape (slower to start than `Runner`); no Python runs
     between layers, so the device never waits on the host inside a chunk."""
 
-    def __init__(self, cfg: FlintConfig):
+    def __init__(self, cfg: FlintConfig, compiler_options: dict | None = None):
         self.cfg = cfg
+        # The engine's jitted prefill_chunk, or the same function compiled with other XLA options (PROGRAM_VARIANTS)
+        self.program = (E.prefill_chunk if not compiler_options else
+                        jax.jit(E.prefill_chunk.__wrapped__, static_argnames=("cfg", "impl"),
+                                donate_argnames=("state",), compiler_options=compiler_options))
         self.settings = (jnp.full((1,), DEFAULT_TEMPERATURE, jnp.float32), jnp.full((1,), DEFAULT_TOP_K, jnp.int32),
                          jnp.full((1,), DEFAULT_TOP_P, jnp.float32))
         self.keys = jax.random.split(jax.random.key(0), 1)
@@ -295,7 +312,7 @@ class ProgramRunner:
         self.states: dict[int, KVState] = {}
 
     def chunk_program(self, params, state: KVState, tokens, n_new):
-        return E.prefill_chunk(params, state, tokens, n_new, self.keys, *self.settings, cfg=self.cfg, impl="pallas")
+        return self.program(params, state, tokens, n_new, self.keys, *self.settings, cfg=self.cfg, impl="pallas")
 
     def prefill(self, params, tokens: np.ndarray, chunk: int, max_len: int, on_chunk=None):
         """tokens [1, N] in chunks of `chunk` (the last one padded); returns the first generated token. on_chunk(c)
@@ -509,10 +526,10 @@ def section_check(run: Run, cfg: FlintConfig, tiny: bool) -> None:
     run.save()
 
 
-def moe_inputs(cfg: FlintConfig, tokens: int):
+def moe_inputs(cfg: FlintConfig, tokens: int, counts=None):
     """`tokens` tokens routed uniformly at random (top-k distinct): (the (token, slot) pairs' rows sorted by expert
     [N*K, H], group sizes [E], the tokens [N, H], the sort order [N*K]: sorted pair r is pair order[r], token
-    order[r] // K)."""
+    order[r] // K). counts [E] (summing to N*K): these rows per expert instead, the pairs in random order."""
     E, I, H, K = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size, cfg.num_experts_per_tok
     ks = jax.random.split(jax.random.key(21), 8)
     b = jax.random.normal(ks[0], (tokens, H), F32).astype(BF16)
@@ -520,25 +537,77 @@ def moe_inputs(cfg: FlintConfig, tokens: int):
     _, ids = jax.lax.top_k(scores, K)
     flat = ids.reshape(-1)
     order = jnp.argsort(flat, stable=True)
-    x = b[order // K]
     sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+    if counts is not None:
+        sizes = jnp.asarray(counts, jnp.int32)
+        order = jax.random.permutation(ks[2], tokens * K)
+    x = b[order // K]
     return x, sizes, b, order.astype(jnp.int32)
 
 
-def section_moe(run: Run, cfg: FlintConfig, tokens: int, tiny: bool, phase: str = "main") -> None:
+def visits(counts: np.ndarray, bm: int) -> int:
+    """Tiles of bm rows the grouped kernels run for these rows per expert (grouped_matmul.group_layout)."""
+    return int(np.sum(-(-np.asarray(counts) // bm)))
+
+
+def routing_balance(runner: "Runner", params, tokens: np.ndarray, cfg: FlintConfig) -> dict:
+    """Rows per expert at each MoE layer of this model on this prompt (one chunk through the per-layer loop, the
+    routing of layers.route on the MLP half's input): how far the synthetic model's routing is from uniform. The
+    grouped kernels' work depends on it: each expert's rows run in tiles of BM rows (grouped_matmul), so an expert
+    past a tile boundary costs a whole extra visit (with NVFP4, another decode of its weight tiles)."""
+    E = cfg.n_routed_experts
+
+    @jax.jit
+    def counts(h, router, bias, norm, valid):
+        b = L.rmsnorm(h, norm, cfg.rms_norm_eps).reshape(-1, h.shape[-1])
+        ids, _ = L.route(b, router, bias, cfg)
+        ids = jnp.where(valid.reshape(-1, 1), ids, E)  # padding tokens are not counted
+        return jnp.sum(ids.reshape(-1)[:, None] == jnp.arange(E)[None, :], axis=0)
+
+    per_layer = {}
+
+    def hook(i, h, layer, valid):
+        if hasattr(layer.mlp, "router"):
+            per_layer[i] = counts(h, layer.mlp.router, layer.mlp.router_bias, layer.mlp_norm, valid)
+
+    runner.on_mlp_input = hook
+    try:
+        N = tokens.shape[1]
+        sync(runner.chunk(params, init_state(cfg, 1, N), jnp.asarray(tokens), jnp.array([N], jnp.int32))[0])
+    finally:
+        runner.on_mlp_input = None
+    layers = {i: np.asarray(c) for i, c in per_layer.items()}
+    rows = N * cfg.num_experts_per_tok
+    out = {"tokens": N, "pairs": rows, "experts": E, "mean_rows": rows / E, "layers": {}}
+    for i, c in layers.items():
+        out["layers"][i] = {"max": int(c.max()), "min": int(c.min()), "empty": int(np.sum(c == 0)),
+                            **{f"visits_{bm}": visits(c, bm) for bm in (64, 128, 256)}, "counts": c.tolist()}
+    v256 = sorted(out["layers"].items(), key=lambda kv: kv[1]["visits_256"])
+    out["median_layer"] = v256[len(v256) // 2][0] if v256 else None
+    # Uniformly random routing (what section_moe's sweep uses) for comparison: the expected visits, sampled.
+    rng = np.random.default_rng(0)
+    uni = np.bincount(np.argsort(rng.random((N, E)), axis=1)[:, :cfg.num_experts_per_tok].reshape(-1), minlength=E)
+    out["uniform"] = {"max": int(uni.max()), **{f"visits_{bm}": visits(uni, bm) for bm in (64, 128, 256)}}
+    return out
+
+
+def section_moe(run: Run, cfg: FlintConfig, tokens: int, tiny: bool, phase: str = "main", counts=None,
+                kinds: tuple[str, ...] | None = None, label: str | None = None) -> None:
     """Expert GEMMs of one MoE layer. phase "main": our kernels with the table's blocks and our reference; "jax":
     jax's options (BF16; run after the model's headline numbers: ragged_dot_mgpu unrolls its 256 groups, and a
-    long compile must not eat their budget); "sweep": the other block candidates (the best per kernel is reported)."""
+    long compile must not eat their budget); "sweep": the other block candidates (the best per kernel is reported);
+    "program_routing": the table's blocks (and PROGRAM_ROUTING_EXTRA) at `counts` rows per expert instead of uniform
+    routing, the results under `label`."""
     E, I, H = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
     K = cfg.num_experts_per_tok
-    x, sizes, tok, order = jax.jit(moe_inputs, static_argnums=(0, 1))(cfg, tokens)
+    x, sizes, tok, order = jax.jit(moe_inputs, static_argnums=(0, 1))(cfg, tokens, counts)
     R = x.shape[0]
     res = run.results["moe"]
     res["shape"] = {"tokens": tokens, "pairs": R, "experts": E, "H": H, "I": I}
     fl_gate = 2 * R * H * I
     fl_layer = 3 * fl_gate
     interpret = jax.default_backend() == "cpu"
-    for kind in ("nvfp4", "bf16") if not tiny else ("nvfp4",):
+    for kind in kinds or (("nvfp4", "bf16") if not tiny else ("nvfp4",)):
         if phase == "jax" and (kind != "bf16" or tiny):
             continue
         if phase == "sweep" and kind not in run.args.sweep_kinds.split(","):
@@ -556,7 +625,7 @@ def section_moe(run: Run, cfg: FlintConfig, tokens: int, tiny: bool, phase: str 
                          for k, s in ((ks[0], (E, I, H)), (ks[1], (E, I, H)), (ks[2], (E, H, I))))
         g, u, d = make(ks)
         act = jax.jit(gm.ref_grouped_swiglu)(x, g, u, sizes) if phase != "jax" else None
-        out = res.setdefault(kind, {})
+        out = res.setdefault(label or kind, {})
         picks = []
         # As flint_jax.prefill calls them: SwiGLU gathers each pair's token row by index, the down projection
         # scatters each result to its pair's row (the sorted copy and the un-permuting gather are not made).
@@ -564,7 +633,8 @@ def section_moe(run: Run, cfg: FlintConfig, tokens: int, tiny: bool, phase: str 
         for (mode, w_args, xin), idx in zip((("swiglu", (g, u), tok), ("linear", (d,), act)), index_args):
             default = gm.default_block(kind, mode, R / E)
             cands = {"main": [default], "jax": [],
-                     "sweep": [b for b in GM_SWEEP[(kind, mode)] if b != default]}[phase]
+                     "sweep": [b for b in GM_SWEEP[(kind, mode)] if b != default],
+                     "program_routing": [default] + PROGRAM_ROUTING_EXTRA.get((kind, mode), [])}[phase]
             for blk in cands:
                 if not run.allows(4 if not tiny else 1, f"moe {kind} {mode} {blk}"):
                     break
@@ -590,7 +660,7 @@ def section_moe(run: Run, cfg: FlintConfig, tokens: int, tiny: bool, phase: str 
             total = sum(rank_ms(p) for p in picks)
             out["ours layer (best blocks so far)"] = {"ms": total, "tflops": fl_layer / total / 1e9,
                                                       "blocks": [p["block"] for p in picks]}
-        if phase == "sweep":
+        if phase in ("sweep", "program_routing"):
             del g, u, d, act
             run.save()
             continue
@@ -773,16 +843,19 @@ def section_prefill(run: Run, cfg: FlintConfig, kind: str, params, tokens: np.nd
     if which == "headline":
         # The engine's path (one program per chunk) is the headline; the per-layer loop beside it for comparison
         # (it sees new buffers on every call; it was 28-55 ms slower per 8K prompt in runs Y and Z).
-        todo = [("program", f"one chunk of {N}", N), ("kernels", f"one chunk of {N}, per-layer calls", N)]
+        todo = [("program", f"one chunk of {N}" + ("" if v == "default" else f", {v}"), N, v)
+                for v in run.args.program_variants.split(",")]
+        todo.append(("kernels", f"one chunk of {N}, per-layer calls", N, None))
     else:  # (--tiny: the TTFT run already covers chunking)
-        todo = ([] if tiny else [("kernels", f"chunks of {chunk}", chunk)]) + [("reference", f"one chunk of {N}", N)]
-    for impl, label, c in todo:
+        todo = (([] if tiny else [("kernels", f"chunks of {chunk}", chunk, None)])
+                + [("reference", f"one chunk of {N}", N, None)])
+    for impl, label, c, variant in todo:
         # first call (compile) + two timed runs on the H200: per-layer loop 12-14 s per row; the whole-chunk
         # program's first call took 22-42 s (runs W-Z)
         need = {"program": 75, "kernels": 25}.get(impl, 30) if not tiny else 3
         if not run.allows(need + reserve, f"prefill {kind} {impl} {label}"):
             continue
-        runner = ProgramRunner(cfg) if impl == "program" else Runner(cfg, impl)
+        runner = ProgramRunner(cfg, PROGRAM_VARIANTS[variant]) if impl == "program" else Runner(cfg, impl)
         try:
             first, ms = time_fn(lambda: runner.prefill(params, tokens, c, N), reps=2 if not tiny else 1)
             m = min(ms)
@@ -801,7 +874,8 @@ def section_prefill(run: Run, cfg: FlintConfig, kind: str, params, tokens: np.nd
             continue
         if run.args.profile and impl != "reference" and run.allows(10 + reserve, f"profile {kind} {label}"):
             try:
-                prof = profile_prefill(runner, params, tokens, c, os.path.join(run.args.out, f"trace_{kind}_{impl}"))
+                trace_dir = f"trace_{kind}_{impl}" + (f"_{variant}" if variant not in (None, "default") else "")
+                prof = profile_prefill(runner, params, tokens, c, os.path.join(run.args.out, trace_dir))
                 res[f"profile, {impl}, {label}"] = prof if prof is not None else {"skipped": "no device events (CPU)"}
                 if prof is not None:
                     log(f"profile {kind} {label}: {prof['device_span_ms']:.1f} ms on the device, "
@@ -809,6 +883,15 @@ def section_prefill(run: Run, cfg: FlintConfig, kind: str, params, tokens: np.nd
                                                                       for k, v in prof["parts_ms"].items()))
             except Exception as e:  # noqa: BLE001
                 run.error(f"profile {kind} {label}", e)
+        if impl == "kernels" and which == "headline" and "routing" not in run.args.skip.split(","):
+            try:
+                rb = run.results["routing"][kind] = routing_balance(runner, params, tokens, cfg)
+                med = rb["layers"][rb["median_layer"]]
+                log(f"routing {kind}: rows per expert {rb['mean_rows']:.0f} on average; median layer "
+                    f"{rb['median_layer']}: max {med['max']}, {med['empty']} empty, {med['visits_256']} visits of 256 "
+                    f"rows (uniform routing: max {rb['uniform']['max']}, {rb['uniform']['visits_256']})")
+            except Exception as e:  # noqa: BLE001
+                run.error(f"routing {kind}", e)
         run.save()
 
 
@@ -916,12 +999,26 @@ def _markdown(r: dict) -> str:
     if moe:
         lines += [f"## MoE expert GEMMs, one layer ({moe.get('shape')})", "",
                   "| weights | variant | ms (wall) | TFLOP/s | device ms |", "|---|---|---|---|---|"]
-        for kind in ("nvfp4", "bf16"):
-            for k, v in moe.get(kind, {}).items():
+        for kind in [k for k in moe if k != "shape"]:
+            for k, v in moe[kind].items():
                 if "ms" in v:
                     lines.append(f"| {kind} | {k} | {v['ms']:.3f} | {v['tflops']:.1f} | {_dev(v)} |")
                 else:
                     lines.append(f"| {kind} | {k} | {v.get('error', v.get('skipped', ''))[:120]} | | |")
+        lines.append("")
+    for kind, rb in r.get("routing", {}).items():
+        u = rb["uniform"]
+        lines += [f"## Routing of the synthetic {kind} model ({rb['tokens']} tokens, {rb['mean_rows']:.0f} rows per "
+                  "expert on average)", "",
+                  "Tiles the grouped GEMMs run per MoE layer (visits of 64, 128 and 256 rows; uniformly random routing "
+                  f"for comparison: max {u['max']} rows, {u['visits_64']} / {u['visits_128']} / {u['visits_256']} "
+                  "visits). Layers by visits of 256 rows:", "",
+                  "| layer | max rows | empty experts | visits 64 | visits 128 | visits 256 |",
+                  "|---|---|---|---|---|---|"]
+        ordered = sorted(rb["layers"].items(), key=lambda kv: kv[1]["visits_256"])
+        picks = ordered if len(ordered) <= 6 else ordered[:2] + [ordered[len(ordered) // 2]] + ordered[-3:]
+        lines += [f"| {i}{' (median)' if i == rb['median_layer'] else ''} | {v['max']} | {v['empty']} | "
+                  f"{v['visits_64']} | {v['visits_128']} | {v['visits_256']} |" for i, v in picks]
         lines.append("")
     if r.get("attn"):
         lines += ["## Prefill attention (batch 1, one chunk)", "", "| case | ms (wall) | TFLOP/s | device ms |",
@@ -1003,8 +1100,15 @@ def main(argv=None) -> int:
                     help="run with this prefill-attention block instead of prefill_attention.DEFAULT_BLOCK")
     ap.add_argument("--skip", default="",
                     help="comma list of sections to skip: moe,attn,prefill,ttft,extras (chunked and reference runs), "
-                         "jax (jax's own MoE options)")
+                         "jax (jax's own MoE options), routing (the model's routing balance and the grouped GEMMs at "
+                         "it)")
+    ap.add_argument("--program-variants", default="default", metavar="NAME[,NAME]",
+                    help="compile the whole-chunk program with these XLA option sets too: "
+                         + ", ".join(PROGRAM_VARIANTS) + " (default: default)")
     args = ap.parse_args(argv)
+    bad = [v for v in args.program_variants.split(",") if v not in PROGRAM_VARIANTS]
+    if bad:
+        ap.error(f"--program-variants: unknown {', '.join(bad)}; known: {', '.join(PROGRAM_VARIANTS)}")
     if args.attn_block:
         fields = args.attn_block.split(",")
         if len(fields) != 4 or not all(f.strip().isdigit() for f in fields):
@@ -1063,6 +1167,13 @@ def main(argv=None) -> int:
                 section_prefill(run, cfg, kind, params, tokens, chunk, tiny, reserve, which="extras")
             del params
             jax.clear_caches()
+        if "routing" not in skip:  # the grouped kernels at the synthetic model's own routing (median MoE layer)
+            for kind, rb in run.results["routing"].items():
+                try:
+                    section_moe(run, cfg, N, tiny, "program_routing", counts=rb["layers"][rb["median_layer"]]["counts"],
+                                kinds=(kind,), label=f"{kind}, routing of the model's layer {rb['median_layer']}")
+                except Exception as e:  # noqa: BLE001
+                    run.error(f"moe {kind} at the model's routing", e)
         if "moe" not in skip and "jax" not in skip and not tiny:
             try:
                 section_moe(run, cfg, N, tiny, "jax")

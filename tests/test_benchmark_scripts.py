@@ -64,16 +64,25 @@ def test_tune_weight_kernels_tiny(tmp_path):
 
 def test_bench_prefill_tiny(tmp_path):
     """The prefill benchmark's CPU smoke mode: kernel checks, the engine-path prefill (kept and fresh state), the
-    per-layer loop, and the TTFT on the engine path."""
+    per-layer loop, the TTFT on the engine path, the program compiled without command buffers, and the synthetic
+    model's routing balance with the grouped GEMMs timed at it."""
     run_script("bench_prefill.py", "--tiny", "--check", "--out", str(tmp_path), "--weights", "nvfp4",
-               "--skip", "moe,attn,jax,extras", "--no-sweep")
+               "--skip", "moe,attn,jax,extras", "--no-sweep", "--program-variants", "default,no_command_buffers")
     res = json.loads((tmp_path / "bench_prefill.json").read_text())
     assert res["check"] and all(v["ok"] for v in res["check"].values())
     assert "grouped_swiglu, rows gathered by index nvfp4" in res["check"]
     assert res["check_router"]["ok"] and res["check_router"]["rows_with_other_experts"] == 0.0
     prog = res["prefill"]["nvfp4"]["program, one chunk of 32"]
     assert prog["ms"] > 0 and prog["fresh_state_ms"] > 0
+    assert res["prefill"]["nvfp4"]["program, one chunk of 32, no_command_buffers"]["ms"] > 0
     assert res["prefill"]["nvfp4"]["kernels, one chunk of 32, per-layer calls"]["ms"] > 0
+    rb = res["routing"]["nvfp4"]
+    assert len(rb["layers"]) == 3 and rb["pairs"] == 32 * 2  # the tiny config's MoE layers, tokens x top-k
+    for layer in rb["layers"].values():
+        assert sum(layer["counts"]) == rb["pairs"] and max(layer["counts"]) == layer["max"]
+        assert layer["visits_64"] == sum(-(-c // 64) for c in layer["counts"])
+    timed = res["moe"][f"nvfp4, routing of the model's layer {rb['median_layer']}"]
+    assert any(k.startswith("ours swiglu") and v["ms"] > 0 for k, v in timed.items())
     ttft = res["ttft"]["nvfp4"]
     assert ttft["program_ttft_s"] > 0 and len(ttft["program_per_chunk"]) == ttft["n_chunks"]
     assert "the engine's path" in (tmp_path / "bench_prefill.md").read_text()
