@@ -99,6 +99,21 @@ BLOCKS_FEW_ROWS = {
 FEW_ROWS = 128  # mean rows per expert below which BLOCKS_FEW_ROWS is used
 
 
+# Blocks for each expert's last, partial tile (tiered_layouts), where the 8K table's tiles are large. An expert's
+# visit costs its weight tiles' decode plus the tile's rows on the tensor cores whatever rows are real: at the
+# synthetic Flint model's skewed routing (run AO: median layer 323 visits of 256 rows where uniform routing needs
+# 256; 86 experts with 1-63 rows) the NVFP4 SwiGLU took 0.925 ms per layer against 0.756 at uniform routing.
+# A 128- and a 64-row tile for the remainders (spill-free for sm_90 with rows gathered).
+TAIL_BLOCKS = {("nvfp4", "swiglu"): (Block(128, 64, 64, 8, 3), Block(64, 64, 64, 4, 3))}
+
+
+def default_tails(kind: str, mode: str, rows_per_expert: float | None = None) -> tuple[Block, ...]:
+    """The tail blocks that go with default_block's choice (none with the few-rows table)."""
+    if rows_per_expert is not None and rows_per_expert < FEW_ROWS:
+        return ()
+    return TAIL_BLOCKS.get((kind, mode), ())
+
+
 def default_block(kind: str, mode: str, rows_per_expert: float | None = None) -> Block:
     """The table's block for a weight kind and mode ("linear" | "swiglu"), given the mean rows per expert."""
     if rows_per_expert is not None and rows_per_expert < FEW_ROWS:
@@ -125,12 +140,39 @@ def group_layout(group_sizes: jax.Array, rows: int, bm: int) -> GroupLayout:
     """Visits for rows [0, sum(group_sizes)) sorted by expert, in tiles of bm rows from each group's start.
     Needs rows >= bm (the wrappers pad)."""
     sizes = group_sizes.astype(jnp.int32)
+    ends = jnp.cumsum(sizes)
+    return _layout(ends - sizes, ends, (sizes + bm - 1) // bm, rows, bm, max_visits(rows, sizes.shape[0], bm))
+
+
+def tiered_layouts(group_sizes: jax.Array, rows: int, bms: tuple[int, ...]) -> list[GroupLayout]:
+    """Visits in tiles of several sizes bms[0] > bms[1] > ...: each expert's rows in tiles of bms[0] from its start,
+    except its last, partial tile of r rows, which goes to the smallest tile size that holds it (bms[j] for
+    bms[j+1] < r <= bms[j], j >= 1; with r > bms[1] it stays a bms[0] tile). One layout per size (the first as long
+    as group_layout's, the others one visit slot per expert); every row is in exactly one visit of one of them.
+    An expert whose rows end just past a tile boundary (routing that leaves some experts with few rows, or with a
+    few rows past a multiple of bms[0]) then costs a small tile instead of a whole large one."""
+    if any(b <= c for b, c in zip(bms, bms[1:])):
+        raise ValueError(f"tile sizes must decrease, got {bms}")
+    sizes = group_sizes.astype(jnp.int32)
     E = sizes.shape[0]
     ends = jnp.cumsum(sizes)
     starts = ends - sizes
-    count = (sizes + bm - 1) // bm
+    full = sizes // bms[0]
+    rem = sizes - full * bms[0]
+    smaller = jnp.asarray(bms[1:] + (0,), jnp.int32)
+    # tier of the last tile: 0 where rem > bms[1]; else the j >= 1 with bms[j+1] < rem <= bms[j]; -1: no rows left
+    tier = jnp.where(rem > 0, jnp.sum(rem[:, None] <= smaller[None, :-1], axis=1), -1)
+    out = [_layout(starts, ends, full + (tier == 0), rows, bms[0], max_visits(rows, E, bms[0]))]
+    for j in range(1, len(bms)):
+        out.append(_layout(starts + full * bms[0], ends, (tier == j).astype(jnp.int32), rows, bms[j], E))
+    return out
+
+
+def _layout(starts: jax.Array, ends: jax.Array, count: jax.Array, rows: int, bm: int, V: int) -> GroupLayout:
+    """count[e] tiles of bm rows for expert e from starts[e] (the last one ending at ends[e] or earlier), listed
+    expert by expert in V visit slots (V >= sum(count)); slots past the last visit are idle."""
+    E = count.shape[0]
     cum = jnp.cumsum(count)
-    V = max_visits(rows, E, bm)
     v = jnp.arange(V, dtype=jnp.int32)
     # compare_all, not the default binary search: that one is a `while` loop, which XLA on the GPU runs with a
     # device-to-host copy of the loop condition per iteration (94 loops per 8K prefill; without them the prefill
@@ -251,9 +293,10 @@ def _dot_t(x: jax.Array, w: jax.Array) -> jax.Array:
     return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=F32)
 
 
-def _kernel(e_ref, r0_ref, lo_ref, hi_ref, x_ref, *refs, kind, n_w, mode, blk, k, gather, scatter, interpret):
+def _kernel(e_ref, r0_ref, lo_ref, hi_ref, x_ref, *refs, kind, n_w, mode, blk, k, gather, scatter, chained,
+            interpret):
     o_ref = refs[-1]
-    refs = refs[:-1]
+    refs = refs[:-2] if chained else refs[:-1]  # chained: the previous tier's output, aliased to o_ref
     src_ref = dst_ref = None
     if scatter:
         dst_ref, refs = refs[-1], refs[:-1]
@@ -345,7 +388,7 @@ def _index_operand(idx, name: str, R: int, Rp: int, limit: int, *, distinct_padd
 
 
 def _call(x, ws, group_sizes, *, mode, layout=None, interpret=False, block=None, rows=None, out_rows=None,
-          out_size=None):
+          out_size=None, tails=None):
     if x.ndim != 2:
         raise ValueError(f"x must be [R, K], got {x.shape}")
     specs = [_weight_operands(w) for w in ws]
@@ -358,65 +401,81 @@ def _call(x, ws, group_sizes, *, mode, layout=None, interpret=False, block=None,
     if group_sizes.shape != (E,):
         raise ValueError(f"group_sizes must be [{E}], got {group_sizes.shape}")
     R = x.shape[0] if rows is None else jnp.shape(rows)[0]  # sorted rows
+    if tails is None:
+        tails = default_tails(kind, mode, R / E) if block is None and layout is None else ()
+    if tails and layout is not None:
+        raise ValueError("tails and a precomputed layout do not mix (the layout is one tile size)")
     blk = _fit(block or default_block(kind, mode, R / E), kind, N, K)
+    tail_blks = [_fit(t, kind, N, K) for t in tails]
+    for b in [blk] + tail_blks:
+        if b.decode not in ("packed", "int"):
+            raise ValueError(f"Block.decode must be 'packed' or 'int', got {b.decode!r}")
     Rp = max(R, blk.bm)  # tiles never start before row 0 or end past the last row; only R < bm needs padding
     xp = x.astype(BF16)
     if rows is None and Rp != R:
         xp = jnp.pad(xp, ((0, Rp - R), (0, 0)))
     if out_rows is not None and out_size is None:
         raise ValueError("out_rows needs out_size (the output's row count)")
-    if layout is None:
-        layout = group_layout(group_sizes, Rp, blk.bm)
-    V = layout.expert.shape[0]
-    operands = [layout.expert, layout.row0, layout.lo, layout.hi, xp]
+    if layout is not None:
+        layouts = [layout]
+    elif tail_blks:
+        layouts = tiered_layouts(group_sizes, Rp, tuple(b.bm for b in [blk] + tail_blks))
+    else:
+        layouts = [group_layout(group_sizes, Rp, blk.bm)]
+    shared = [xp]
     for s in specs:
-        operands.extend(s[4])
+        shared.extend(s[4])
     if rows is not None:
-        operands.append(_index_operand(rows, "rows", R, Rp, x.shape[0], distinct_padding=False))
+        shared.append(_index_operand(rows, "rows", R, Rp, x.shape[0], distinct_padding=False))
     if out_rows is not None:
-        operands.append(_index_operand(out_rows, "out_rows", R, Rp, out_size, distinct_padding=True))
+        shared.append(_index_operand(out_rows, "out_rows", R, Rp, out_size, distinct_padding=True))
     out_len = Rp if out_rows is None else out_size + (Rp - R)
-    if blk.decode not in ("packed", "int"):
-        raise ValueError(f"Block.decode must be 'packed' or 'int', got {blk.decode!r}")
-    kernel = functools.partial(_kernel, kind=kind, n_w=len(ws), mode=mode, blk=blk, k=K, gather=rows is not None,
-                               scatter=out_rows is not None, interpret=interpret)
-    out = pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((out_len, N), BF16),
-        grid=(N // blk.bn, V),
-        in_specs=[pl.no_block_spec] * len(operands),
-        out_specs=pl.no_block_spec,
-        compiler_params=plt.CompilerParams(num_warps=blk.num_warps, num_stages=blk.num_stages),
-        interpret=interpret,
-        name=f"grouped_{mode}_{kind}",
-    )(*operands)
+    out = None
+    # One launch per tile size; each writes only its visits' rows, the later ones into the first one's output.
+    for b, lay in zip([blk] + tail_blks, layouts):
+        operands = [lay.expert, lay.row0, lay.lo, lay.hi, *shared] + ([out] if out is not None else [])
+        kernel = functools.partial(_kernel, kind=kind, n_w=len(ws), mode=mode, blk=b, k=K, gather=rows is not None,
+                                   scatter=out_rows is not None, chained=out is not None, interpret=interpret)
+        out = pl.pallas_call(
+            kernel,
+            out_shape=jax.ShapeDtypeStruct((out_len, N), BF16),
+            grid=(N // b.bn, lay.expert.shape[0]),
+            in_specs=[pl.no_block_spec] * len(operands),
+            out_specs=pl.no_block_spec,
+            input_output_aliases={len(operands) - 1: 0} if out is not None else {},
+            compiler_params=plt.CompilerParams(num_warps=b.num_warps, num_stages=b.num_stages),
+            interpret=interpret,
+            name=f"grouped_{mode}_{kind}",
+        )(*operands)
     keep = R if out_rows is None else out_size
     return out if out_len == keep else out[:keep]
 
 
 def grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *, interpret: bool = False,
                    block: Block | None = None, layout: GroupLayout | None = None, out_rows: jax.Array | None = None,
-                   out_size: int | None = None) -> jax.Array:
+                   out_size: int | None = None, tails: tuple[Block, ...] | None = None) -> jax.Array:
     """`bf16(f32acc(x[r] @ W[e(r)].T) * gs[e(r)])` for rows x [R, K] sorted by expert (group_sizes [E] int32),
     w a stacked [E, N, K] BF16 or NVFP4 weight -> [R, N] BF16. `layout`: a precomputed `group_layout(group_sizes,
     max(R, block.bm), block.bm)` to share between calls.
     out_rows [R] int (with out_size): sorted row r's result is stored at output row out_rows[r] of an
     [out_size, N] result instead (a scatter in the kernel's store; rows no real row maps to are unspecified). The
-    indices must lie in [0, out_size) (data, not checked)."""
+    indices must lie in [0, out_size) (data, not checked).
+    tails: smaller blocks for each expert's last, partial tile (`tiered_layouts`: one more launch per block, each
+    writing only its rows); None: the table's (`default_tails`) when `block` and `layout` are None, else none."""
     return _call(x, [w], group_sizes, mode="linear", layout=layout, interpret=interpret, block=block,
-                 out_rows=out_rows, out_size=out_size)
+                 out_rows=out_rows, out_size=out_size, tails=tails)
 
 
 def grouped_swiglu(x: jax.Array, gate, up, group_sizes: jax.Array, *, interpret: bool = False,
                    block: Block | None = None, layout: GroupLayout | None = None,
-                   rows: jax.Array | None = None) -> jax.Array:
+                   rows: jax.Array | None = None, tails: tuple[Block, ...] | None = None) -> jax.Array:
     """`layers.swiglu(grouped_matmul(x, gate), grouped_matmul(x, up))` in one kernel: x is read once and both
     accumulators share the K loop. gate/up [E, I, K] -> [R, I] BF16.
     rows [R] int: sorted row r is x[rows[r]] (a gather in the kernel's loads, so x can be the tokens' activations
     [S, K] without a gathered copy per (token, expert) pair). The indices must lie in [0, S): they are data, not
-    checked, and the compiled kernel would read outside x."""
+    checked, and the compiled kernel would read outside x. tails: as grouped_matmul's."""
     return _call(x, [gate, up], group_sizes, mode="swiglu", layout=layout, interpret=interpret, block=block,
-                 rows=rows)
+                 rows=rows, tails=tails)
 
 
 # ---- references -------------------------------------------------------------------------------------------------

@@ -455,7 +455,14 @@ def section_check(run: Run, cfg: FlintConfig, tiny: bool) -> None:
                 ("grouped_matmul down, rows scattered by index",
                  lambda x, d, s, r: gm.grouped_matmul(x, d, s, out_rows=r, out_size=rows, interpret=interpret),
                  lambda x, d, s, r: gm.ref_grouped_matmul(x, d, s, out_rows=r, out_size=rows),
-                 (xa, d, sizes, dst))):
+                 (xa, d, sizes, dst)),
+                # The 8K table's SwiGLU block with its tail blocks (this check's 4,096 rows would pick the few-rows
+                # table): the crowded and the small experts end in tiles of every size.
+                ("grouped_swiglu, rows gathered, 8K table's block and tails",
+                 lambda x, g, u, s, r: gm.grouped_swiglu(
+                     x, g, u, s, rows=r, interpret=interpret, block=table_block(kind, "swiglu", tiny),
+                     tails=table_tails(kind, "swiglu", tiny)),
+                 lambda x, g, u, s, r: gm.ref_grouped_swiglu(x, g, u, s, rows=r), (x, g, u, sizes, src))):
             what = f"{name} {kind}"
             try:
                 st = bf16_ulp_stats(jax.jit(fn)(*args), jax.jit(ref)(*args))
@@ -545,6 +552,18 @@ def moe_inputs(cfg: FlintConfig, tokens: int, counts=None):
     return x, sizes, b, order.astype(jnp.int32)
 
 
+def table_block(kind: str, mode: str, tiny: bool) -> gm.Block:
+    """The 8K table's block (--tiny: its rows cut to 64, what interpret mode can afford)."""
+    b = gm.BLOCKS[(kind, mode)]
+    return dataclasses.replace(b, bm=min(b.bm, 64)) if tiny else b
+
+
+def table_tails(kind: str, mode: str, tiny: bool) -> tuple[gm.Block, ...]:
+    """The 8K table's tail blocks (--tiny: 32 and 16 rows, below table_block's 64)."""
+    tails = gm.TAIL_BLOCKS.get((kind, mode), ())
+    return tuple(dataclasses.replace(t, bm=32 >> i) for i, t in enumerate(tails)) if tiny else tails
+
+
 def visits(counts: np.ndarray, bm: int) -> int:
     """Tiles of bm rows the grouped kernels run for these rows per expert (grouped_matmul.group_layout)."""
     return int(np.sum(-(-np.asarray(counts) // bm)))
@@ -632,21 +651,28 @@ def section_moe(run: Run, cfg: FlintConfig, tokens: int, tiny: bool, phase: str 
         index_args = ({"rows": order // K}, {"out_rows": order, "out_size": R})
         for (mode, w_args, xin), idx in zip((("swiglu", (g, u), tok), ("linear", (d,), act)), index_args):
             default = gm.default_block(kind, mode, R / E)
-            cands = {"main": [default], "jax": [],
+            tails = gm.default_tails(kind, mode, R / E)
+            # "table": what the prefill runs (the table's block, and its tail blocks where it has them)
+            table = ["table"] + ([default] if tails else [])
+            cands = {"main": table, "jax": [],
                      "sweep": [b for b in GM_SWEEP[(kind, mode)] if b != default],
-                     "program_routing": [default] + PROGRAM_ROUTING_EXTRA.get((kind, mode), [])}[phase]
+                     "program_routing": table + PROGRAM_ROUTING_EXTRA.get((kind, mode), [])}[phase]
             for blk in cands:
                 if not run.allows(4 if not tiny else 1, f"moe {kind} {mode} {blk}"):
                     break
-                fn = (jax.jit(functools.partial(gm.grouped_swiglu, block=blk, interpret=interpret, **idx))
+                opts = ({"block": None} if blk == "table" else {"block": blk, "tails": ()})
+                fn = (jax.jit(functools.partial(gm.grouped_swiglu, interpret=interpret, **opts, **idx))
                       if mode == "swiglu" else
-                      jax.jit(functools.partial(gm.grouped_matmul, block=blk, interpret=interpret, **idx)))
+                      jax.jit(functools.partial(gm.grouped_matmul, interpret=interpret, **opts, **idx)))
+                if blk == "table":
+                    blk = f"table {default}" + (f" + tails {[t.bm for t in tails]}" if tails else "")
                 try:
                     first, ms = time_fn(lambda: fn(xin, *w_args, sizes))
                     m = min(ms)
                     flops = 2 * fl_gate if mode == "swiglu" else fl_gate
-                    row = out[f"ours {mode} {blk}"] = {"ms": m, "tflops": flops / m / 1e9, "compile_s": first,
-                                                       "mode": mode, "block": dataclasses.asdict(blk)}
+                    row = out[f"ours {mode} {blk}"] = {
+                        "ms": m, "tflops": flops / m / 1e9, "compile_s": first, "mode": mode,
+                        "block": dataclasses.asdict(blk) if isinstance(blk, gm.Block) else blk}
                     dev = kernel_ms(lambda: fn(xin, *w_args, sizes)) if phase != "jax" else None
                     if dev:
                         row.update(device_ms=dev, device_tflops=flops / dev / 1e9)

@@ -147,6 +147,83 @@ def test_layout_visits_cover_each_row_once(groups):
     assert live == sum(-(-int(n) // bm) for n in np.asarray(sizes))
 
 
+# Expert sizes whose last tiles fall in every tier of (64, 32, 16)-row tiles (16 rows: the smallest tensor-core dot
+# when compiled): none, > 32, 17..32, 1..16 rows past a multiple of 64, experts of one partial tile, and all rows on
+# one expert.
+TIERED_GROUPS = {"every_tier": [0, 64 + 40, 24, 5, 128, 64 + 12, 0, 33], "one_expert": [0, 0, 0, 0, 0, 150, 0, 0]}
+TIER_BLOCKS = (gm.Block(64, 32, 32, 4, 1), gm.Block(32, 32, 32, 4, 1), gm.Block(16, 32, 32, 4, 1))
+
+
+@pytest.mark.parametrize("groups", list(TIERED_GROUPS))
+def test_tiered_layouts_cover_each_row_once_in_the_smallest_tile(groups):
+    sizes = np.asarray(TIERED_GROUPS[groups])
+    bms = tuple(b.bm for b in TIER_BLOCKS)
+    R = int(sizes.sum()) + 3
+    lays = gm.tiered_layouts(jnp.asarray(sizes, jnp.int32), R, bms)
+    assert [lay.expert.shape[0] for lay in lays] == [gm.max_visits(R, E, bms[0]), E, E]
+    owner = np.repeat(np.arange(E), sizes)
+    cover = np.zeros(R, int)
+    tiles = {}  # (expert, tier) -> rows per visit
+    for tier, (lay, bm) in enumerate(zip(lays, bms)):
+        for e, r0, lo, hi in zip(*(np.asarray(a) for a in (lay.expert, lay.row0, lay.lo, lay.hi))):
+            if hi > lo:
+                assert 0 <= r0 <= lo < hi <= r0 + bm <= R
+                assert (owner[lo:hi] == e).all()
+                cover[lo:hi] += 1
+                tiles.setdefault((int(e), tier), []).append(int(hi - lo))
+    assert (cover[:sizes.sum()] == 1).all() and (cover[sizes.sum():] == 0).all()
+    for e, n in enumerate(sizes):
+        full, rem = divmod(int(n), bms[0])
+        want = {0: [bms[0]] * full + ([rem] if rem > bms[1] else [])}
+        if bms[2] < rem <= bms[1]:
+            want[1] = [rem]
+        if 0 < rem <= bms[2]:
+            want[2] = [rem]
+        got = {t: v for (ee, t), v in tiles.items() if ee == e}
+        assert got == {t: v for t, v in want.items() if v}, (e, n, got)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("groups", list(TIERED_GROUPS))
+def test_tail_blocks_equal_the_one_tile_size_kernels(kind, groups):
+    """Each expert's last tile in a smaller block (one launch per tile size, each writing its rows into the first
+    one's output): the same values as the one-tile-size kernel, bit for bit (each row's sum runs over the same K
+    tiles), with rows gathered in (SwiGLU) and scattered out (down) as prefill passes them."""
+    sizes = jnp.asarray(TIERED_GROUPS[groups], jnp.int32)
+    n = int(sizes.sum())
+    main, tails = TIER_BLOCKS[0], TIER_BLOCKS[1:]
+    tokens = jax.random.normal(jax.random.key(3), (n + 5, K), F32).astype(BF16)
+    rows = jax.random.randint(jax.random.key(4), (n,), 0, n + 5)
+    out_rows = jax.random.permutation(jax.random.key(5), n).astype(jnp.int32)
+    gate, up, down = weights(kind, seed=1), weights(kind, seed=2), weights(kind, n=K, k=N, seed=3)
+    act = gm.grouped_swiglu(tokens, gate, up, sizes, rows=rows, interpret=INTERPRET, block=main, tails=tails)
+    one = gm.grouped_swiglu(tokens, gate, up, sizes, rows=rows, interpret=INTERPRET, block=main)
+    np.testing.assert_array_equal(np.asarray(act, F32), np.asarray(one, F32))
+    assert_bf16_close(act, gm.ref_grouped_swiglu(tokens, gate, up, sizes, rows=rows), max_ulp=2)
+    y = gm.grouped_matmul(act, down, sizes, out_rows=out_rows, out_size=n, interpret=INTERPRET, block=main,
+                          tails=tails)
+    y_one = gm.grouped_matmul(act, down, sizes, out_rows=out_rows, out_size=n, interpret=INTERPRET, block=main)
+    np.testing.assert_array_equal(np.asarray(y, F32), np.asarray(y_one, F32))
+    assert_bf16_close(y, gm.ref_grouped_matmul(act, down, sizes, out_rows=out_rows, out_size=n))
+
+
+def test_tail_defaults_follow_the_block_tables():
+    """The table's tails go with the table's block at 8K-like rows per expert only; an explicit block, a given
+    layout or the few-rows table run one tile size; tiles must decrease."""
+    assert gm.default_tails("nvfp4", "swiglu", 192.0) == gm.TAIL_BLOCKS[("nvfp4", "swiglu")]
+    assert gm.default_tails("nvfp4", "swiglu", 40.0) == ()
+    assert gm.default_tails("bf16", "linear", 192.0) == ()
+    bms = [b.bm for b in (gm.BLOCKS[("nvfp4", "swiglu")],) + gm.TAIL_BLOCKS[("nvfp4", "swiglu")]]
+    assert bms == sorted(bms, reverse=True) and len(set(bms)) == len(bms)
+    with pytest.raises(ValueError, match="decrease"):
+        gm.tiered_layouts(jnp.ones((E,), jnp.int32), 16, (8, 16))
+    x, sizes, _ = inputs(GROUPS["uneven_with_empty"])
+    lay = gm.group_layout(sizes, x.shape[0], 16)
+    with pytest.raises(ValueError, match="tails and a precomputed layout"):
+        gm.grouped_matmul(x, weights("bf16"), sizes, block=BLOCK, layout=lay, tails=(gm.Block(8, 32, 32, 4, 1),),
+                          interpret=INTERPRET)
+
+
 @pytest.mark.parametrize("block", [BLOCK, BLOCK_LHS], ids=["x_lhs", "weights_lhs"])
 @pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
 def test_rows_by_index_equal_the_gathered_and_scattered_arrays(kind, block):
