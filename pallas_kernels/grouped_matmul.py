@@ -17,6 +17,12 @@ belong to the next expert's visits). A tile that would run past the last row sta
 [R - BM, R)); it still stores only its own rows. Visits past the real count do nothing. Only the selected experts'
 work is done: an empty expert has no visit, and all tokens on one expert is R/BM visits of that expert.
 
+Tail tiles (`tails`, the table's TAIL_BLOCKS): a visit costs its weight tiles' loads (and NVFP4 decode) and BM rows of
+tensor-core work however few of its rows are real, so an expert with a few rows past a multiple of BM pays a whole
+tile for them. With tail blocks of BM' < BM rows, each expert's last, partial tile goes to the smallest tail tile that
+holds it (`tiered_layouts`), one launch per tile size; the later launches write their rows into the first one's
+output (aliased). Each row's sum runs over the same K tiles whatever its tile, so the result is the same bit for bit.
+
 NVFP4 decode (integer ops only; the Triton lowering has no fp4/fp8 conversions we rely on): nvfp4.decode_codes and
 decode_scales turn code and scale bytes into f32 values whose product is the weight value, exact in BF16 (at most 6
 significant bits), so the tensor-core dot sees the same BF16 weights as the reference. A K step of BK bytes of codes covers values

@@ -72,13 +72,20 @@ T0 = time.time()
 
 # Blocks timed besides the table's at the synthetic model's routing (section_moe "program_routing"): 128-row tiles
 # split an expert past 256 rows into fewer idle rows than a second 256-row visit.
-PROGRAM_ROUTING_EXTRA = {("nvfp4", "swiglu"): [gm.Block(128, 64, 64, 8, 3)]}
+# (A (block, tails) pair: that block with those tail blocks.)
+PROGRAM_ROUTING_EXTRA = {("nvfp4", "swiglu"): [gm.Block(128, 64, 64, 8, 3)],
+                         ("nvfp4", "linear"): [(gm.NVFP4_LINEAR_LHS, (gm.Block(64, 64, 64, 4, 3, True),))]}
 
-# XLA options the whole-chunk program can be compiled with besides the engine's defaults (--program-variants). At
-# the end of each prefill call XLA updates the command buffer (CUDA graph, ~3,100 kernel nodes) it recorded for the
-# program where buffer addresses moved; run AN's trace showed the device idle for 10 ms before the program's first
-# kernel. Without command buffers the host launches each kernel instead.
-PROGRAM_VARIANTS = {"default": None, "no_command_buffers": {"xla_gpu_enable_command_buffer": ""}}
+# Variants of the whole-chunk program timed beside the engine's (--program-variants), each compiled on its own:
+# "xla": XLA options (without command buffers the host launches each kernel; run AN's trace showed the device idle
+# for ~9 ms before the program's first kernel, of which ~7 ms stayed without them, run AO); "tails": the grouped
+# GEMMs' tail-block table (grouped_matmul.TAIL_BLOCKS) while the program is traced.
+PROGRAM_VARIANTS = {
+    "default": {},
+    "no_command_buffers": {"xla": {"xla_gpu_enable_command_buffer": ""}},
+    "no_tails": {"tails": {}},  # one tile size per grouped GEMM (the table before c3fee07)
+    "down_tails": {"tails": {**gm.TAIL_BLOCKS, ("nvfp4", "linear"): (gm.Block(64, 64, 64, 4, 3, True),)}},
+}
 
 # Block sweep candidates. Spills checked on the CPU for sm_90 with Triton 3.6 and ptxas -v (docs/KERNELS.md, "Backend
 # and GPU checks without a GPU"), as the prefill calls them (rows gathered / scattered by index): the BF16 blocks and
@@ -295,12 +302,17 @@ class ProgramRunner:
     state. Compiles the whole chunk program once per chunk shape (slower to start than `Runner`); no Python runs
     between layers, so the device never waits on the host inside a chunk."""
 
-    def __init__(self, cfg: FlintConfig, compiler_options: dict | None = None):
+    def __init__(self, cfg: FlintConfig, variant: dict | None = None):
         self.cfg = cfg
-        # The engine's jitted prefill_chunk, or the same function compiled with other XLA options (PROGRAM_VARIANTS)
-        self.program = (E.prefill_chunk if not compiler_options else
-                        jax.jit(E.prefill_chunk.__wrapped__, static_argnames=("cfg", "impl"),
-                                donate_argnames=("state",), compiler_options=compiler_options))
+        # The engine's jitted prefill_chunk, or for a PROGRAM_VARIANTS entry the same function jitted on its own
+        # (its own trace and compile: XLA options, a tail-block table swapped in while it traces).
+        self.variant = variant or {}
+        if not self.variant:
+            self.program = E.prefill_chunk
+        else:  # a new function object: jax's trace cache is keyed on it, so this variant traces on its own
+            fn = functools.wraps(E.prefill_chunk.__wrapped__)(lambda *a, **k: E.prefill_chunk.__wrapped__(*a, **k))
+            self.program = jax.jit(fn, static_argnames=("cfg", "impl"), donate_argnames=("state",),
+                                   compiler_options=self.variant.get("xla"))
         self.settings = (jnp.full((1,), DEFAULT_TEMPERATURE, jnp.float32), jnp.full((1,), DEFAULT_TOP_K, jnp.int32),
                          jnp.full((1,), DEFAULT_TOP_P, jnp.float32))
         self.keys = jax.random.split(jax.random.key(0), 1)
@@ -312,7 +324,14 @@ class ProgramRunner:
         self.states: dict[int, KVState] = {}
 
     def chunk_program(self, params, state: KVState, tokens, n_new):
-        return self.program(params, state, tokens, n_new, self.keys, *self.settings, cfg=self.cfg, impl="pallas")
+        saved = gm.TAIL_BLOCKS
+        if "tails" in self.variant:  # read when the program is traced (its first call)
+            gm.TAIL_BLOCKS = self.variant["tails"]
+        try:
+            return self.program(params, state, tokens, n_new, self.keys, *self.settings, cfg=self.cfg,
+                                impl="pallas")
+        finally:
+            gm.TAIL_BLOCKS = saved
 
     def prefill(self, params, tokens: np.ndarray, chunk: int, max_len: int, on_chunk=None):
         """tokens [1, N] in chunks of `chunk` (the last one padded); returns the first generated token. on_chunk(c)
@@ -654,18 +673,22 @@ def section_moe(run: Run, cfg: FlintConfig, tokens: int, tiny: bool, phase: str 
             tails = gm.default_tails(kind, mode, R / E)
             # "table": what the prefill runs (the table's block, and its tail blocks where it has them)
             table = ["table"] + ([default] if tails else [])
-            cands = {"main": table, "jax": [],
+            extra = PROGRAM_ROUTING_EXTRA.get((kind, mode), [])
+            cands = {"main": table + [c for c in extra if isinstance(c, tuple)], "jax": [],
                      "sweep": [b for b in GM_SWEEP[(kind, mode)] if b != default],
-                     "program_routing": table + PROGRAM_ROUTING_EXTRA.get((kind, mode), [])}[phase]
+                     "program_routing": table + extra}[phase]
             for blk in cands:
                 if not run.allows(4 if not tiny else 1, f"moe {kind} {mode} {blk}"):
                     break
-                opts = ({"block": None} if blk == "table" else {"block": blk, "tails": ()})
+                opts = ({"block": None} if blk == "table" else
+                        {"block": blk[0], "tails": blk[1]} if isinstance(blk, tuple) else {"block": blk, "tails": ()})
                 fn = (jax.jit(functools.partial(gm.grouped_swiglu, interpret=interpret, **opts, **idx))
                       if mode == "swiglu" else
                       jax.jit(functools.partial(gm.grouped_matmul, interpret=interpret, **opts, **idx)))
                 if blk == "table":
                     blk = f"table {default}" + (f" + tails {[t.bm for t in tails]}" if tails else "")
+                elif isinstance(blk, tuple):
+                    blk = f"{blk[0]} + tails {[t.bm for t in blk[1]]}"
                 try:
                     first, ms = time_fn(lambda: fn(xin, *w_args, sizes))
                     m = min(ms)
