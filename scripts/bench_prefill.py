@@ -12,11 +12,15 @@ written (JSON + Markdown) after every section, so a run cut short still leaves w
           kernels (BF16 and NVFP4, the block table's defaults) and our tiled plain-JAX reference
   prefill per weight format (NVFP4, then BF16; parameters initialised on the device, leaf by leaf under jax.jit,
           and freed before the next format): an 8,192-token prompt at batch 1 in one chunk, first the engine's
-          path (the headline: engine.prefill_chunk, the whole chunk one jitted program), then the same kernels as
-          a Python loop over per-layer jitted blocks (with --profile each traced: device time by part, top
-          kernels), then in chunks of --chunk, then the reference blocks on the one-chunk prompt
+          path (the headline: engine.prefill_chunk, the whole chunk one jitted program; --program-variants adds
+          the same program compiled otherwise, PROGRAM_VARIANTS), then the same kernels as a Python loop over
+          per-layer jitted blocks (with --profile each traced: device time by part, top kernels, and where the
+          device sat idle), then in chunks of --chunk, then the reference blocks on the one-chunk prompt
           (model.attention_block + the MoE on the tiled reference GEMMs; layers.mlp_block's ragged_dot is measured
           in `moe` only: on the GPU it expands to dense matmuls over all 256 experts)
+  routing the synthetic model's routing on that prompt (rows per expert at each MoE layer, tiles of 64/128/256 rows
+          the grouped GEMMs run for it), then the grouped GEMMs timed at its median layer's routing (after the
+          formats; skip with --skip routing)
   ttft    (first format only) a 100K-token prompt in chunks of 8,192: wall time to the first token on the engine's
           path (one program per chunk), then a breakdown run that times the parts separately (each part synchronised)
   moe/jax jax's options on the same layer (BF16, gate projection): jax.lax.ragged_dot (default GPU lowering, and
@@ -906,7 +910,10 @@ def section_prefill(run: Run, cfg: FlintConfig, kind: str, params, tokens: np.nd
             continue
         runner = ProgramRunner(cfg, PROGRAM_VARIANTS[variant]) if impl == "program" else Runner(cfg, impl)
         try:
-            first, ms = time_fn(lambda: runner.prefill(params, tokens, c, N), reps=2 if not tiny else 1)
+            # The program's first timed call also records its command buffer (~300 ms more in runs AN-AQ), so one
+            # timed call was left; with one the BF16 program read 132.8 and 137.8 ms in one run (run AQ).
+            reps = 1 if tiny else 4 if impl == "program" else 2
+            first, ms = time_fn(lambda: runner.prefill(params, tokens, c, N), reps=reps)
             m = min(ms)
             res[f"{impl}, {label}"] = {"ms": m, "tflops": fl["total"] / m / 1e9, "first_call_s": first,
                                        "all_ms": ms}
