@@ -12,6 +12,11 @@ import dataclasses
 import functools
 
 import jax
+# Pallas' interpret mode (the kernels on a CPU) imports this module during the first trace of a program that uses
+# them, and the module registers a jax config option: the next call's trace context then differs and the whole program
+# is traced and compiled again (the engine's prefill program compiled twice, on its first two requests). Imported
+# here, the option exists before any program is traced. (0.1 s of import time; on a GPU it is only imported.)
+import jax.experimental.pallas.tpu  # noqa: F401
 import jax.numpy as jnp
 
 from flint_jax import layers as L
