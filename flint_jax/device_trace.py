@@ -24,6 +24,7 @@ import json
 import os
 import re
 import statistics
+import tempfile
 from typing import Callable
 
 import jax
@@ -61,7 +62,6 @@ def trace_kernels(run: Callable[[], object], trace_dir: str) -> list[dict]:
 def trace_call(run: Callable[[], object], steps: int = 1) -> dict | None:
     """summarize() of `run()` (which runs `steps` equal steps) traced into a temporary directory; None without device
     events (CPU runs)."""
-    import tempfile
     with tempfile.TemporaryDirectory() as d:
         events = trace_kernels(run, d)
     return summarize(events, steps) if events else None

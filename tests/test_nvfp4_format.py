@@ -4,6 +4,7 @@
 import struct
 
 import gguf
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -284,3 +285,16 @@ def test_dequantize_bit_decode_equals_the_value_table_for_every_code_and_scale_b
             * np.repeat(scales.astype(np.float32), nvfp4.BLOCK, axis=-1))
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(np.asarray(nvfp4.dequantize(w)).astype(np.float32), want)  # exact in BF16 too
+
+
+def test_bit_decode_equals_the_value_tables_for_every_code_and_scale_byte():
+    """The bit decode that the kernels and dequantize use (integer ops to f16 bits) equals the value tables bit for
+    bit, for all 256 code bytes and every finite E4M3 scale byte, including subnormal codes and scales."""
+    codes = jnp.arange(256, dtype=jnp.int32)
+    lo, hi = nvfp4.decode_codes(codes)
+    table = jnp.asarray(nvfp4.E2M1_VALUES)
+    np.testing.assert_array_equal(np.asarray(lo * 2.0 ** 14), np.asarray(table[codes & 0xF]))
+    np.testing.assert_array_equal(np.asarray(hi * 2.0 ** 14), np.asarray(table[codes >> 4]))
+    sb = jnp.array([b for b in range(256) if b & 0x7F != 0x7F], jnp.uint8)
+    ref = jax.lax.bitcast_convert_type(sb, jnp.float8_e4m3fn).astype(jnp.float32)
+    np.testing.assert_array_equal(np.asarray(nvfp4.decode_scales(sb.astype(jnp.int32)) * 2.0 ** -14), np.asarray(ref))
