@@ -10,6 +10,8 @@ profiler and reads the GPU kernel events back from the Perfetto trace:
     table = summarize(events, steps=5)        # per kernel name: launches, mean/total us per step
     table = trace_call(lambda: step_n_times(), steps=5)   # both in one, in a temporary directory
     gaps = idle_gaps(events, steps=5)          # device idle time inside steps, by the kernel that ends each gap
+    gap = longest_gap(events)                  # (start, end) of the longest idle stretch between kernels
+    host = host_activity(read_host_events(trace_dir), *gap)   # what the host did meanwhile, by event name
 
 Steps are split by count (every step launches the same kernels). On the CPU the trace has no device events:
 `trace_kernels` returns an empty list and callers report "no device trace".
@@ -30,9 +32,8 @@ from typing import Callable
 import jax
 
 
-def read_kernel_events(trace_dir: str) -> list[dict]:
-    """Kernel events ('X' on the device's "Stream #..." threads) of the newest perfetto trace under trace_dir,
-    sorted by start time. Empty when the trace has no device process (CPU runs)."""
+def _read_trace(trace_dir: str) -> tuple[list[dict], set]:
+    """(all events, the device process ids) of the newest perfetto trace under trace_dir."""
     files = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True),
                    key=os.path.getmtime)
     if not files:
@@ -42,7 +43,13 @@ def read_kernel_events(trace_dir: str) -> list[dict]:
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     procs = {e["pid"]: e.get("args", {}).get("name", "") for e in events
              if e.get("ph") == "M" and e.get("name") == "process_name"}
-    device = {pid for pid, n in procs.items() if re.search(r"/device:(GPU|gpu)", n)}
+    return events, {pid for pid, n in procs.items() if re.search(r"/device:(GPU|gpu)", n)}
+
+
+def read_kernel_events(trace_dir: str) -> list[dict]:
+    """Kernel events ('X' on the device's "Stream #..." threads) of the newest perfetto trace under trace_dir,
+    sorted by start time. Empty when the trace has no device process (CPU runs)."""
+    events, device = _read_trace(trace_dir)
     threads = {(e["pid"], e.get("tid")): e.get("args", {}).get("name", "") for e in events
                if e.get("ph") == "M" and e.get("name") == "thread_name" and e["pid"] in device}
     # Kernels sit on the "Stream #..." threads; "XLA Ops"/"XLA Modules" threads repeat them at op level.
@@ -50,6 +57,40 @@ def read_kernel_events(trace_dir: str) -> list[dict]:
     out = [e for e in events if e.get("ph") == "X" and e.get("pid") in device and "dur" in e
            and (not streams or (e["pid"], e.get("tid")) in streams)]
     return sorted(out, key=lambda e: float(e["ts"]))
+
+
+def read_host_events(trace_dir: str) -> list[dict]:
+    """The host's complete events ('X' outside the device processes: jax's dispatch, PjRt's execute, XLA's thunks
+    and command buffers, as the profiler names them) of the newest perfetto trace under trace_dir, by start time."""
+    events, device = _read_trace(trace_dir)
+    out = [e for e in events if e.get("ph") == "X" and e.get("pid") not in device and "dur" in e]
+    return sorted(out, key=lambda e: float(e["ts"]))
+
+
+def longest_gap(events: list[dict]) -> tuple[float, float] | None:
+    """(start, end) in trace microseconds of the longest stretch with no kernel running between the first kernel's
+    start and the last one's end; None with fewer than two kernels or no gap."""
+    best, end = None, None
+    for e in events:
+        start = float(e["ts"])
+        if end is not None and start > end and (best is None or start - end > best[1] - best[0]):
+            best = (end, start)
+        end = start + float(e["dur"]) if end is None else max(end, start + float(e["dur"]))
+    return best
+
+
+def host_activity(host_events: list[dict], start: float, end: float, top: int = 25) -> list[dict]:
+    """What the host did between start and end (trace microseconds): per event name, the time its events overlap
+    the interval and how many overlap it, most time first (nested events each count: a parent covers its
+    children). [{"name", "count", "overlap_us"}]"""
+    by_name: dict = collections.defaultdict(lambda: [0, 0.0])
+    for e in host_events:
+        lo, hi = max(start, float(e["ts"])), min(end, float(e["ts"]) + float(e["dur"]))
+        if hi > lo:
+            by_name[e["name"]][0] += 1
+            by_name[e["name"]][1] += hi - lo
+    rows = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+    return [{"name": n, "count": c, "overlap_us": us} for n, (c, us) in rows]
 
 
 def trace_kernels(run: Callable[[], object], trace_dir: str) -> list[dict]:

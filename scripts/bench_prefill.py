@@ -45,6 +45,7 @@ import functools
 import json
 import math
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -876,10 +877,19 @@ def profile_prefill(runner, params, tokens: np.ndarray, chunk: int, out_dir: str
         c = kernel_category(r["name"])
         parts[c] = parts.get(c, 0.0) + r["us_per_step"] / 1e3
     gaps = device_trace.idle_gaps(events, 1)
+    # The longest idle stretch (runs AO-AR: ~9-11 ms before the program's first kernel) and what the host did then.
+    gap = device_trace.longest_gap(events)
+    host = []
+    if gap is not None:
+        host = [{"name": r["name"][:100], "count": r["count"], "ms": r["overlap_us"] / 1e3}
+                for r in device_trace.host_activity(device_trace.read_host_events(out_dir), *gap, top=30)]
+        log(f"longest device gap {1e-3 * (gap[1] - gap[0]):.2f} ms; host meanwhile: "
+            + "; ".join(f"{r['name'][:70]} x{r['count']} {r['ms']:.2f} ms" for r in host[:30]))
     return {"device_span_ms": device_trace.device_ms(events, 1), "kernel_ms": summary["kernel_us_per_step"] / 1e3,
             "launches": int(summary["launches_per_step"]), "idle_ms": gaps["idle_us_per_step"] / 1e3,
             "idle_before": [{"name": r["name"][:90], "gaps": int(r["gaps_per_step"]), "ms": r["idle_us_per_step"] / 1e3,
                              "mean_us": r["mean_us"]} for r in gaps["rows"]],
+            "longest_gap_ms": None if gap is None else (gap[1] - gap[0]) / 1e3, "host_in_longest_gap": host,
             "parts_ms": dict(sorted(parts.items(), key=lambda kv: -kv[1])),
             "top": [{"name": r["name"][:90], "count": int(r["per_step"]), "ms": r["us_per_step"] / 1e3}
                     for r in summary["rows"][:15]]}
@@ -919,6 +929,17 @@ def section_prefill(run: Run, cfg: FlintConfig, kind: str, params, tokens: np.nd
                                        "all_ms": ms}
             log(f"prefill {kind} {impl} {label}: {m:.1f} ms, {fl['total'] / m / 1e9:.1f} TFLOP/s "
                 f"(first call {first:.1f} s)")
+            if impl == "program":  # the host's share: when runner.prefill returns (all dispatched) and when done
+                back, done = [], []
+                for _ in range(3):
+                    t = time.perf_counter()
+                    out = runner.prefill(params, tokens, c, N)
+                    back.append(1e3 * (time.perf_counter() - t))
+                    sync(out)
+                    done.append(1e3 * (time.perf_counter() - t))
+                res[f"{impl}, {label}"].update(returns_after_ms=back, done_after_ms=done)
+                log(f"prefill {kind} {impl} {label}: the call returns after "
+                    + ", ".join(f"{b:.1f}" for b in back) + " ms, done after " + ", ".join(f"{d:.1f}" for d in done))
             if impl == "program":  # the same prompt into a freshly allocated state (new buffer addresses)
                 runner.states.clear()
                 t = time.perf_counter()
@@ -1094,6 +1115,9 @@ def _markdown(r: dict) -> str:
                     continue
                 if "ms" in v:
                     lines.append(f"| {kind} | {k} | {v['ms']:.1f} | {v['tflops']:.1f} |")
+                    if "returns_after_ms" in v:
+                        lines.append(f"| {kind} | {k}: the call returns after (host) | "
+                                     f"{statistics.median(v['returns_after_ms']):.1f} | |")
                 else:
                     lines.append(f"| {kind} | {k} | {v.get('skipped', '')} | |")
         lines.append("")
@@ -1113,6 +1137,11 @@ def _markdown(r: dict) -> str:
                           "gap:", "", "| idle before | gaps | ms | mean us |", "|---|---|---|---|"]
                 lines += [f"| `{t['name']}` | {t['gaps']} | {t['ms']:.2f} | {t['mean_us']:.1f} |"
                           for t in v["idle_before"]]
+                lines.append("")
+            if v.get("host_in_longest_gap"):
+                lines += [f"The host during the longest device gap ({v['longest_gap_ms']:.2f} ms; nested events each "
+                          "count):", "", "| host event | count | ms in the gap |", "|---|---|---|"]
+                lines += [f"| `{t['name']}` | {t['count']} | {t['ms']:.2f} |" for t in v["host_in_longest_gap"]]
                 lines.append("")
     if r.get("ttft"):
         lines += ["## Time to first token, long prompt", ""]

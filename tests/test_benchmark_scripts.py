@@ -74,6 +74,8 @@ def test_bench_prefill_tiny(tmp_path):
     assert res["check_router"]["ok"] and res["check_router"]["rows_with_other_experts"] == 0.0
     prog = res["prefill"]["nvfp4"]["program, one chunk of 32"]
     assert prog["ms"] > 0 and prog["fresh_state_ms"] > 0
+    assert len(prog["returns_after_ms"]) == 3 and all(
+        0 < b <= d for b, d in zip(prog["returns_after_ms"], prog["done_after_ms"]))
     assert res["prefill"]["nvfp4"]["program, one chunk of 32, no_command_buffers"]["ms"] > 0
     assert res["prefill"]["nvfp4"]["kernels, one chunk of 32, per-layer calls"]["ms"] > 0
     rb = res["routing"]["nvfp4"]

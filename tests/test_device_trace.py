@@ -56,6 +56,25 @@ def test_idle_gaps_are_attributed_to_the_kernel_that_ends_them(tmp_path):
         {"name": "d", "gaps_per_step": 1.0, "idle_us_per_step": 5.0, "mean_us": 5.0}]
 
 
+def test_longest_gap_and_what_the_host_did_meanwhile(tmp_path):
+    trace = write_trace(tmp_path)
+    events = device_trace.read_kernel_events(trace)
+    # between the steps: from moe_down's end (1000 + 9.5 + 13 + 7 us) to the next qkv_projection (2 us launch gap
+    # + the 900 us host event later); the three steps' gaps are equal and the first one is reported
+    start, end = device_trace.longest_gap(events)
+    assert (start, end) == (1029.5, 1931.5)
+    host = device_trace.read_host_events(trace)
+    assert [e["name"] for e in host] == ["PjitFunction(forward)"] * 3  # no kernels, no device op copies
+    rows = device_trace.host_activity(host, start, end)
+    # the first host event (1031.5 -> 1931.5) lies inside the gap; the other two do not overlap it
+    assert rows == [{"name": "PjitFunction(forward)", "count": 1, "overlap_us": 900.0}]
+    # clipped to the interval: 1031.5 -> 1129.5
+    assert device_trace.host_activity(host, start, start + 100.0)[0]["overlap_us"] == 98.0
+    assert device_trace.host_activity(host, 0.0, 1000.0) == []
+    assert device_trace.longest_gap(events[:1]) is None
+    assert device_trace.longest_gap([{"ts": 0.0, "dur": 5.0}, {"ts": 2.0, "dur": 1.0}]) is None
+
+
 def test_steps_that_do_not_divide_give_no_spans(tmp_path):
     events = device_trace.read_kernel_events(write_trace(tmp_path))
     assert device_trace.step_spans(events, 4) == []
