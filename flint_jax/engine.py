@@ -2,10 +2,12 @@
 
 Each request owns a slot (a row of the state). New requests are prefilled in chunks (several new requests share a
 chunk call), then all active slots decode together. A finished request frees its slot for the next one in the queue.
-Jitted programs do all device work: `prefill_chunk`, and `decode_steps` (`steps_per_dispatch` decode steps in one
-program, each step's sampled token feeding the next on the device), each over the donated state; sampling runs
-inside them so a call returns token ids, not logits. `decode` is the single step with caller-supplied keys (what
-scripts/bench_decode.py times as the served step).
+Jitted programs do all device work: the prefill chunks (`prefill_pipeline.prefill`: each chunk in a few programs
+cut at layer boundaries, so the host's dispatch overlaps the device; `prefill_chunk` is the same chunk as one
+program), and `decode_steps` (`steps_per_dispatch` decode steps in one program, each step's sampled token feeding
+the next on the device), each over the donated state; sampling runs inside them so a call returns token ids, not
+logits. `decode` is the single step with caller-supplied keys (what scripts/bench_decode.py times as the served
+step).
 
 Why several steps per dispatch: on the GPU the host needs about as long to dispatch one step (~2,000 argument
 buffers and a CUDA-graph update) as the device needs to run it (docs/BENCHMARKS.md, "Host overhead"), so one step
@@ -26,9 +28,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from flint_jax import model as M
+from flint_jax import prefill_pipeline
 from flint_jax.config import FlintConfig
 from flint_jax.params import Params
-from flint_jax.sampling import SamplingParams, sample
+from flint_jax.sampling import SamplingParams, sample, token_keys  # noqa: F401  (token_keys: engine API)
 from flint_jax.state import MAX_BATCH, KVState, init_state, reset_slots
 
 
@@ -48,13 +51,6 @@ class TokenEvent:
     request: int
     token: int
     finish_reason: str | None = None
-
-
-def token_keys(keys: jax.Array, generated: jax.Array) -> jax.Array:
-    """The sampling key of each row's next token: fold_in(request key, tokens the request has generated so far).
-    keys [B] PRNG keys, generated [B] int. The one convention for prefill and decode, so a request's tokens do not
-    depend on how its steps are grouped into calls."""
-    return jax.vmap(jax.random.fold_in)(keys, generated)
 
 
 # Emptying slots in place (donated): the state keeps its buffers, so the command buffers (CUDA graphs) XLA recorded
@@ -136,11 +132,13 @@ class Engine:
     many, and a request's tokens are the same for any value (see `decode_steps`). More steps amortise the host's
     dispatch cost; a request that stops mid-burst wastes the rest of that burst's compute on its row.
     tokenizer / chat_template: needed only by `chat` (a FlintTokenizer; a GGUF's template, else the project's).
+    prefill_cuts: layer indices where each prefill chunk is cut into separately dispatched programs, so the host's
+    dispatch overlaps the device's work (flint_jax.prefill_pipeline; () runs each chunk as one program).
     """
 
     def __init__(self, cfg: FlintConfig, params: Params, *, max_batch: int = MAX_BATCH, max_len: int = 2048,
                  chunk_size: int = 256, impl: str = "xla", steps_per_dispatch: int = 1, tokenizer=None,
-                 chat_template: str | None = None):
+                 chat_template: str | None = None, prefill_cuts: Sequence[int] = prefill_pipeline.DEFAULT_CUTS):
         if not 1 <= max_batch <= MAX_BATCH:
             raise ValueError(f"max_batch must be in [1, {MAX_BATCH}] (the low-latency path serves at most "
                              f"{MAX_BATCH} concurrent requests), got {max_batch}")
@@ -154,6 +152,8 @@ class Engine:
         self.cfg, self.params = cfg, params
         self.max_batch, self.max_len, self.chunk_size, self.impl = max_batch, max_len, chunk_size, impl
         self.steps_per_dispatch = int(steps_per_dispatch)
+        prefill_pipeline.segments(cfg.num_hidden_layers, prefill_cuts)  # refuses cuts that are not layer indices
+        self.prefill_cuts = tuple(prefill_cuts)
         self.state = init_state(cfg, max_batch, max_len)
         self.keys = jax.random.split(jax.random.key(0), max_batch)  # [B] each slot's request key, set at its start
         self.tokenizer, self.chat_template = tokenizer, chat_template
@@ -226,8 +226,7 @@ class Engine:
             if fresh:
                 mask = np.zeros(self.max_batch, bool)
                 mask[fresh] = True
-                self.state = reset_slots_in_place(self.state, jnp.asarray(mask))
-                yield from self._prefill(slots, fresh, results)
+                yield from self._prefill(slots, fresh, results, reset=mask)
             active = [b for b in range(self.max_batch) if slots[b] is not None]
             if active:
                 yield from self._decode(slots, active, results)
@@ -241,7 +240,9 @@ class Engine:
             temp[b], top_k[b], top_p[b] = s.temperature, s.top_k, s.top_p
         return temp, top_k, top_p
 
-    def _prefill(self, slots, rows, results):
+    def _prefill(self, slots, rows, results, reset):
+        """Prefill `rows` chunk by chunk (their slots emptied first: `reset`, folded into the first chunk). Chunks
+        are dispatched back to back; the host waits for a chunk's tokens only where a prompt ends in it."""
         C, B = self.chunk_size, self.max_batch
         while True:
             # A request whose first token ends it (max_tokens 1, or a stop token) has already freed its slot.
@@ -254,13 +255,16 @@ class Engine:
                 part = s.prompt[s.prefilled:s.prefilled + C]
                 tokens[b, :len(part)], n_new[b] = part, len(part)
                 s.prefilled += len(part)
-            nxt, self.state = prefill_chunk(self.params, self.state, tokens, n_new, self.keys,
-                                            *self._settings(slots, pending), cfg=self.cfg, impl=self.impl)
-            nxt = np.asarray(nxt)
-            for b in pending:
-                if slots[b].prefilled == len(slots[b].prompt):
-                    slots[b].first_token_at = time.perf_counter()
-                    yield from self._emit(slots, b, int(nxt[b]), results)
+            nxt, self.state = prefill_pipeline.prefill(self.params, self.state, tokens, n_new, self.keys,
+                                                       *self._settings(slots, pending), reset=reset, cfg=self.cfg,
+                                                       impl=self.impl, cuts=self.prefill_cuts)
+            reset = None
+            done = [b for b in pending if slots[b].prefilled == len(slots[b].prompt)]
+            if done:
+                nxt = np.asarray(nxt)
+            for b in done:
+                slots[b].first_token_at = time.perf_counter()
+                yield from self._emit(slots, b, int(nxt[b]), results)
 
     def _decode(self, slots, rows, results):
         """One `decode_steps` call, then its tokens in step order; a request that finishes mid-burst frees its slot

@@ -86,20 +86,29 @@ def model_step(params: Params, state: KVState, tokens: jax.Array, n_new: jax.Arr
                impl: str = "xla"):
     """Run tokens [B, T] (row b's first n_new[b] are real) at positions lengths[b] + t.
     Returns (hidden [B, T, H] BF16 after the last layer, new state). Not jitted itself: `steps` jits it."""
-    B, T = tokens.shape
+    h, caches = run_layers(params.layers, state.layers, embed(params, tokens), state.lengths, n_new, cfg, impl)
+    return h, KVState(layers=caches, lengths=state.lengths + n_new)
+
+
+def run_layers(layers, caches, h: jax.Array, lengths: jax.Array, n_new: jax.Array, cfg: FlintConfig,
+               impl: str = "xla", first: int = 0):
+    """Layers first .. first + len(layers) - 1 of the model (their params and caches) on h [B, T, H], row b's first
+    n_new[b] tokens real, at positions lengths[b] + t (lengths: what the state held before this chunk). Returns
+    (h, the layers' new caches as a tuple). model_step runs all of them; prefill_pipeline runs them in segments."""
+    B, T = h.shape[:2]
     t = jnp.arange(T, dtype=jnp.int32)[None, :]
-    positions = state.lengths[:, None] + t
+    positions = lengths[:, None] + t
     valid = t < n_new[:, None]
-    lengths_after = state.lengths + n_new
+    lengths_after = lengths + n_new
     blocks = _blocks(impl, T)
-    h = embed(params, tokens)
-    caches = []
-    for i, (layer, cache) in enumerate(zip(params.layers, state.layers)):
+    out = []
+    for j, (layer, cache) in enumerate(zip(layers, caches)):
+        i = first + j
         with jax.named_scope(f"layer{i}"):
             h, cache = blocks.attention(h, layer, cache, positions, valid, lengths_after, cfg, cfg.is_sliding(i))
             h = blocks.mlp(h, layer, cfg)
-        caches.append(cache)
-    return h, KVState(layers=tuple(caches), lengths=lengths_after)
+        out.append(cache)
+    return h, tuple(out)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -69,3 +69,10 @@ def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: ja
     filtered = filter_logits(logits, safe_t, top_k, top_p)
     drawn = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, filtered)
     return jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
+
+
+def token_keys(keys: jax.Array, generated: jax.Array) -> jax.Array:
+    """The sampling key of each row's next token: fold_in(request key, tokens the request has generated so far).
+    keys [B] PRNG keys, generated [B] int. The one convention for prefill and decode, so a request's tokens do not
+    depend on how its steps are grouped into calls."""
+    return jax.vmap(jax.random.fold_in)(keys, generated)

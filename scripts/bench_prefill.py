@@ -12,8 +12,8 @@ written (JSON + Markdown) after every section, so a run cut short still leaves w
           kernels (BF16 and NVFP4, the block table's defaults) and our tiled plain-JAX reference
   prefill per weight format (NVFP4, then BF16; parameters initialised on the device, leaf by leaf under jax.jit,
           and freed before the next format): an 8,192-token prompt at batch 1 in one chunk, first the engine's
-          path (the headline: engine.prefill_chunk, the whole chunk one jitted program; --program-variants adds
-          the same program compiled otherwise, PROGRAM_VARIANTS), then the same kernels as a Python loop over
+          path (the headline: prefill_pipeline.prefill, the chunk as a few jitted programs cut at layer boundaries;
+          --program-variants adds other cuts, the one-program path and other compile options, PROGRAM_VARIANTS), then the same kernels as a Python loop over
           per-layer jitted blocks (with --profile each traced: device time by part, top kernels, and where the
           device sat idle), then in chunks of --chunk, then the reference blocks on the one-chunk prompt
           (model.attention_block + the MoE on the tiled reference GEMMs; layers.mlp_block's ragged_dot is measured
@@ -22,7 +22,7 @@ written (JSON + Markdown) after every section, so a run cut short still leaves w
           the grouped GEMMs run for it), then the grouped GEMMs timed at its median layer's routing (after the
           formats; skip with --skip routing)
   ttft    (first format only) a 100K-token prompt in chunks of 8,192: wall time to the first token on the engine's
-          path (one program per chunk), then a breakdown run that times the parts separately (each part synchronised)
+          path (prefill_pipeline, as above), then a breakdown run that times the parts separately (each part synchronised)
   moe/jax jax's options on the same layer (BF16, gate projection): jax.lax.ragged_dot (default GPU lowering, and
           with jax_ragged_dot_use_gpu_pallas_triton_lowering) and jax.experimental.pallas.ops.gpu.ragged_dot_mgpu
           (BF16 only: it takes one dtype for both operands)
@@ -64,6 +64,7 @@ from flint_jax import layers as L  # noqa: E402
 from flint_jax import model as M  # noqa: E402
 from flint_jax import nvfp4  # noqa: E402
 from flint_jax import prefill as P  # noqa: E402
+from flint_jax import prefill_pipeline as PP  # noqa: E402
 from flint_jax.config import FlintConfig  # noqa: E402
 from flint_jax.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P  # noqa: E402
 from flint_jax import params as params_mod  # noqa: E402
@@ -81,12 +82,18 @@ T0 = time.time()
 PROGRAM_ROUTING_EXTRA = {("nvfp4", "swiglu"): [gm.Block(128, 64, 64, 8, 3)],
                          ("nvfp4", "linear"): [(gm.NVFP4_LINEAR_LHS, (gm.Block(64, 64, 64, 4, 3, True),))]}
 
-# Variants of the whole-chunk program timed beside the engine's (--program-variants), each compiled on its own:
-# "xla": XLA options (without command buffers the host launches each kernel; run AN's trace showed the device idle
-# for ~9 ms before the program's first kernel, of which ~7 ms stayed without them, run AO); "tails": the grouped
-# GEMMs' tail-block table (grouped_matmul.TAIL_BLOCKS) while the program is traced.
+# Variants of the engine's prefill timed beside its default (--program-variants), each compiled on its own:
+# "xla": XLA options (without command buffers the host launches each kernel); "tails": the grouped GEMMs'
+# tail-block table (grouped_matmul.TAIL_BLOCKS) while the programs are traced; "cuts": where the chunk is cut into
+# separately dispatched programs (prefill_pipeline; () is one program with the reset folded in); "one_program": the
+# chunk as engine.prefill_chunk after a separate engine.reset_slots_in_place call (the engine's path before
+# prefill_pipeline: the device idled ~6.8 ms before each chunk while the host handed over ~1,930 buffers, run AS).
 PROGRAM_VARIANTS = {
     "default": {},
+    "one_program": {"one_program": True},
+    "cuts_none": {"cuts": ()},
+    "cuts_2": {"cuts": (2,)},
+    "cuts_2_5_14": {"cuts": (2, 5, 14)},
     "no_command_buffers": {"xla": {"xla_gpu_enable_command_buffer": ""}},
     "no_tails": {"tails": {}},  # one tile size per grouped GEMM (the table before c3fee07)
     "down_tails": {"tails": {**gm.TAIL_BLOCKS, ("nvfp4", "linear"): (gm.Block(64, 64, 64, 4, 3, True),)}},
@@ -302,39 +309,48 @@ class Runner:
 
 
 class ProgramRunner:
-    """The engine's prefill (the product path): each chunk is one jitted program, `engine.prefill_chunk` (embedding,
-    the 49 layers unrolled with the prefill kernels, LM head at each row's last token, sampling), over a donated
-    state. Compiles the whole chunk program once per chunk shape (slower to start than `Runner`); no Python runs
-    between layers, so the device never waits on the host inside a chunk."""
+    """The engine's prefill (the product path): each chunk is `prefill_pipeline.prefill`, a few jitted programs cut
+    at layer boundaries (embedding, the 49 layers unrolled with the prefill kernels, LM head at each row's last
+    token, sampling) over a donated state, the row reset folded into the first chunk. No Python runs between layers
+    inside a program, and the host dispatches the later segments while the device runs the first. A PROGRAM_VARIANTS
+    entry changes the cuts, compiles the segments on their own (XLA options, a tail-block table swapped in while they
+    trace), or runs the chunk as the one program engine.prefill_chunk after engine.reset_slots_in_place."""
 
     def __init__(self, cfg: FlintConfig, variant: dict | None = None):
         self.cfg = cfg
-        # The engine's jitted prefill_chunk, or for a PROGRAM_VARIANTS entry the same function jitted on its own
-        # (its own trace and compile: XLA options, a tail-block table swapped in while it traces).
         self.variant = variant or {}
-        if not self.variant:
-            self.program = E.prefill_chunk
-        else:  # a new function object: jax's trace cache is keyed on it, so this variant traces on its own
-            fn = functools.wraps(E.prefill_chunk.__wrapped__)(lambda *a, **k: E.prefill_chunk.__wrapped__(*a, **k))
-            self.program = jax.jit(fn, static_argnames=("cfg", "impl"), donate_argnames=("state",),
-                                   compiler_options=self.variant.get("xla"))
+        self.cuts = self.variant.get("cuts", PP.DEFAULT_CUTS)
+        self.one_program = self.variant.get("one_program", False)
+        fn = E.prefill_chunk.__wrapped__ if self.one_program else PP._segment.__wrapped__
+        if "xla" in self.variant or "tails" in self.variant:
+            # a new function object: jax's trace cache is keyed on it, so this variant traces on its own
+            fn = functools.wraps(fn)(lambda *a, _fn=fn, **k: _fn(*a, **k))
+            static = ("cfg", "impl") if self.one_program else ("cfg", "impl", "first")
+            self.program = jax.jit(fn, static_argnames=static, donate_argnames=("state",) if self.one_program
+                                   else ("caches",), compiler_options=self.variant.get("xla"))
+        else:
+            self.program = E.prefill_chunk if self.one_program else PP._segment
         self.settings = (jnp.full((1,), DEFAULT_TEMPERATURE, jnp.float32), jnp.full((1,), DEFAULT_TOP_K, jnp.int32),
                          jnp.full((1,), DEFAULT_TOP_P, jnp.float32))
         self.keys = jax.random.split(jax.random.key(0), 1)
-        # Like the engine, keep one state and empty it between prompts (reset_slots, donated) instead of allocating
-        # a fresh one per prompt: new state buffers cost 35-43 ms per 8K prompt in run Y (docs/BENCHMARKS.md; the
-        # "fresh state" figure each run reports), most likely the update of the command buffer (CUDA graph) that
+        # Like the engine, keep one state and empty it between prompts (in place, donated) instead of allocating a
+        # fresh one per prompt: new state buffers cost 35-43 ms per 8K prompt in run Y (docs/BENCHMARKS.md; the
+        # "fresh state" figure each run reports), most likely the update of the command buffers (CUDA graphs) that
         # XLA recorded for the old addresses, ~3,300 kernel nodes.
-        self.reset = lambda s: E.reset_slots_in_place(s, jnp.ones(s.lengths.shape, bool))
         self.states: dict[int, KVState] = {}
 
-    def chunk_program(self, params, state: KVState, tokens, n_new):
+    def chunk_program(self, params, state: KVState, tokens, n_new, reset):
         saved = gm.TAIL_BLOCKS
-        if "tails" in self.variant:  # read when the program is traced (its first call)
+        if "tails" in self.variant:  # read when the programs are traced (their first call)
             gm.TAIL_BLOCKS = self.variant["tails"]
         try:
-            return self.program(params, state, tokens, n_new, self.keys, *self.settings, cfg=self.cfg,
-                                impl="pallas")
+            if self.one_program:
+                if reset is not None:
+                    state = E.reset_slots_in_place(state, jnp.asarray(reset))
+                return self.program(params, state, tokens, n_new, self.keys, *self.settings, cfg=self.cfg,
+                                    impl="pallas")
+            return PP.prefill(params, state, tokens, n_new, self.keys, *self.settings, reset=reset, cfg=self.cfg,
+                              impl="pallas", cuts=self.cuts, segment=self.program)
         finally:
             gm.TAIL_BLOCKS = saved
 
@@ -343,14 +359,17 @@ class ProgramRunner:
         is called after each chunk has finished (synchronised) with {start, tokens, ms}; returning True stops."""
         N = tokens.shape[1]
         state = self.states.pop(max_len, None)
-        state = init_state(self.cfg, 1, max_len) if state is None else self.reset(state)
+        if state is None:
+            state = init_state(self.cfg, 1, max_len)
+        reset = np.ones((1,), bool)  # the prompt starts a new request: its row is emptied with the first chunk
         nxt = None
         for lo in range(0, N, chunk):
             t = time.perf_counter()
             part = np.zeros((1, chunk), np.int32)
             n = min(chunk, N - lo)
             part[0, :n] = tokens[0, lo:lo + n]
-            nxt, state = self.chunk_program(params, state, jnp.asarray(part), jnp.array([n], jnp.int32))
+            nxt, state = self.chunk_program(params, state, part, np.array([n], np.int32), reset)
+            reset = None
             if on_chunk is not None:
                 sync(nxt)
                 if on_chunk({"start": lo, "tokens": n, "ms": 1e3 * (time.perf_counter() - t)}) and lo + chunk < N:
@@ -904,7 +923,7 @@ def section_prefill(run: Run, cfg: FlintConfig, kind: str, params, tokens: np.nd
     fl = prefill_flops(cfg, 0, N)
     res["flops"] = fl
     if which == "headline":
-        # The engine's path (one program per chunk) is the headline; the per-layer loop beside it for comparison
+        # The engine's path (prefill_pipeline) is the headline; the per-layer loop beside it for comparison
         # (it sees new buffers on every call; it was 28-55 ms slower per 8K prompt in runs Y and Z).
         todo = [("program", f"one chunk of {N}" + ("" if v == "default" else f", {v}"), N, v)
                 for v in run.args.program_variants.split(",")]
@@ -980,7 +999,7 @@ def section_ttft(run: Run, cfg: FlintConfig, kind: str, params, n_tokens: int, c
     fl = prefill_flops(cfg, 0, n_tokens)
     res.update({"tokens": n_tokens, "chunk": chunk, "flops": fl})
     n_chunks = -(-n_tokens // chunk)
-    # The engine's path first (each chunk one program): the TTFT a user sees.
+    # The engine's path first (prefill_pipeline per chunk): the TTFT a user sees.
     try:
         prog = ProgramRunner(cfg)
         t = time.perf_counter()
@@ -1188,7 +1207,7 @@ def main(argv=None) -> int:
                          "jax (jax's own MoE options), routing (the model's routing balance and the grouped GEMMs at "
                          "it)")
     ap.add_argument("--program-variants", default="default", metavar="NAME[,NAME]",
-                    help="compile the whole-chunk program with these XLA option sets too: "
+                    help="time the engine's prefill in these variants too: "
                          + ", ".join(PROGRAM_VARIANTS) + " (default: default)")
     args = ap.parse_args(argv)
     bad = [v for v in args.program_variants.split(",") if v not in PROGRAM_VARIANTS]

@@ -64,10 +64,11 @@ def test_tune_weight_kernels_tiny(tmp_path):
 
 def test_bench_prefill_tiny(tmp_path):
     """The prefill benchmark's CPU smoke mode: kernel checks, the engine-path prefill (kept and fresh state), the
-    per-layer loop, the TTFT on the engine path, the program compiled without command buffers, and the synthetic
+    per-layer loop, the TTFT on the engine path, the engine's prefill compiled without command buffers and as the
+    one program it was before prefill_pipeline, and the synthetic
     model's routing balance with the grouped GEMMs timed at it."""
     run_script("bench_prefill.py", "--tiny", "--check", "--out", str(tmp_path), "--weights", "nvfp4",
-               "--skip", "moe,attn,jax,extras", "--no-sweep", "--program-variants", "default,no_command_buffers")
+               "--skip", "moe,attn,jax,extras", "--no-sweep", "--program-variants", "default,no_command_buffers,one_program")
     res = json.loads((tmp_path / "bench_prefill.json").read_text())
     assert res["check"] and all(v["ok"] for v in res["check"].values())
     assert "grouped_swiglu, rows gathered by index nvfp4" in res["check"]
@@ -77,6 +78,7 @@ def test_bench_prefill_tiny(tmp_path):
     assert len(prog["returns_after_ms"]) == 3 and all(
         0 < b <= d for b, d in zip(prog["returns_after_ms"], prog["done_after_ms"]))
     assert res["prefill"]["nvfp4"]["program, one chunk of 32, no_command_buffers"]["ms"] > 0
+    assert res["prefill"]["nvfp4"]["program, one chunk of 32, one_program"]["ms"] > 0
     assert res["prefill"]["nvfp4"]["kernels, one chunk of 32, per-layer calls"]["ms"] > 0
     rb = res["routing"]["nvfp4"]
     assert len(rb["layers"]) == 3 and rb["pairs"] == 32 * 2  # the tiny config's MoE layers, tokens x top-k
