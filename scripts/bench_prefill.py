@@ -1166,7 +1166,7 @@ def _markdown(r: dict) -> str:
         lines += ["## Time to first token, long prompt", ""]
         for kind, d in r["ttft"].items():
             if "program_ttft_s" in d:
-                lines += [f"**{kind}**, the engine's path (each chunk of {d['chunk']} one program): TTFT "
+                lines += [f"**{kind}**, the engine's path (prefill_pipeline, chunks of {d['chunk']}): TTFT "
                           f"{d['program_ttft_s']:.2f} s ({d['program_tflops']:.1f} TFLOP/s). Chunks (ms): "
                           + ", ".join(f"{c['ms']:.0f}" for c in d["program_per_chunk"]) + ".", ""]
             if "ttft_s" not in d:

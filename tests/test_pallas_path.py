@@ -33,10 +33,13 @@ def test_pallas_decode_matches_the_reference(weights, tiny_cfg, tiny_params, tin
         h, state = step(params, state, toks[:, i:i + 1], jnp.array([1, 1]), cfg, impl="pallas")
         outs.append(M.lm_logits(params, h, cfg))
     got = jnp.concatenate(outs, axis=1)
-    # BF16 weights: bit-identical in practice. NVFP4: the kernels apply block scales per 16-value group inside the
-    # FP32 sum, a different summation order than the dequantize-then-dot reference, which can flip a last BF16 bit
-    # that later layers carry; measured max |diff| 0.026 on logits of magnitude ~4.
-    tol = 1e-3 if weights == "bf16" else 0.05
+    # BF16 weights in interpret mode (CPU): bit-identical in practice. NVFP4: the kernels apply block scales per
+    # 16-value group inside the FP32 sum, a different summation order than the dequantize-then-dot reference, which
+    # can flip a last BF16 bit that later layers carry; measured max |diff| 0.026 on logits of magnitude ~4.
+    # Compiled on a GPU the reference's dots are XLA's (cuBLAS), whose FP32 summation order differs from the
+    # kernels' for BF16 weights too: max |diff| 0.036 there (H200, 2026-11-30), so the NVFP4 tolerance applies.
+    compiled = jax.default_backend() != "cpu"
+    tol = 1e-3 if weights == "bf16" and not compiled else 0.05
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=tol * float(jnp.abs(ref).max()), rtol=0)
 
 
