@@ -175,9 +175,10 @@ def test_gathered_and_grouped_experts_agree(tiny_cfg, tiny_params_nvfp4):
     np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=1e-2 * float(jnp.abs(g).max()))
 
 
-@pytest.mark.parametrize("pairs,experts", [(49, 8), (1, 4), (3000, 256)])
+@pytest.mark.parametrize("pairs,experts", [(49, 8), (1, 4), (3000, 256), (3000, 300)])
 def test_sort_pairs_by_expert_is_the_stable_argsort(pairs, experts):
-    """The order is a stable argsort (repeated ids keep their pair order) and the counts equal bincount."""
+    """The order is a stable argsort (repeated ids keep their pair order) and the counts equal bincount, with the
+    keys narrowed to uint8 (256 experts: ids up to 255) or uint16 (300)."""
     flat = jax.random.randint(jax.random.key(pairs), (pairs,), 0, min(experts, 7 if pairs < 100 else experts))
     order, sizes = L.sort_pairs_by_expert(flat.astype(jnp.int32), experts)
     np.testing.assert_array_equal(np.asarray(order), np.argsort(np.asarray(flat), kind="stable"))
