@@ -31,7 +31,7 @@ from flint_jax import model as M
 from flint_jax import prefill_pipeline
 from flint_jax.config import FlintConfig
 from flint_jax.params import Params
-from flint_jax.sampling import SamplingParams, sample, token_keys  # noqa: F401  (token_keys: engine API)
+from flint_jax.sampling import SamplingParams, sample, token_keys
 from flint_jax.state import MAX_BATCH, KVState, init_state, reset_slots
 
 

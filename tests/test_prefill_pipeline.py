@@ -8,6 +8,7 @@ import pytest
 from flint_jax import engine as E
 from flint_jax import prefill_pipeline as PP
 from flint_jax.config import FlintConfig
+from flint_jax.params import init_params
 from flint_jax.state import init_state
 
 
@@ -31,7 +32,6 @@ def test_pipelined_chunks_equal_the_one_program_chunks(impl, weights):
     at the third chunk (reset) while row 1 continues: the tokens sampled and every cache buffer equal the one-program
     path's bit for bit."""
     cfg = FlintConfig.tiny()
-    from flint_jax.params import init_params
     params = init_params(cfg, jax.random.key(3), weights)
     B, C = 2, 7
     keys = jax.random.split(jax.random.key(5), B)
@@ -54,7 +54,6 @@ def test_pipelined_chunks_equal_the_one_program_chunks(impl, weights):
 
 def test_bad_reset_and_cuts_are_refused():
     cfg = FlintConfig.tiny()
-    from flint_jax.params import init_params
     params = init_params(cfg, jax.random.key(3))
     state = init_state(cfg, 2, 16)
     with pytest.raises(ValueError, match="one flag per row"):
