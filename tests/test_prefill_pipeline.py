@@ -26,11 +26,12 @@ def _settings(B):
             jnp.full((B,), 0.95, jnp.float32))
 
 
-@pytest.mark.parametrize("impl,weights", [("xla", "bf16"), ("pallas", "nvfp4")])
-def test_pipelined_chunks_equal_the_one_program_chunks(impl, weights):
-    """Two rows, three chunks (window 5: the rings wrap), cuts that make three segments. Row 0 starts a new request
-    at the third chunk (reset) while row 1 continues: the tokens sampled and every cache buffer equal the one-program
-    path's bit for bit."""
+@pytest.mark.parametrize("impl,weights,cuts",
+                         [("xla", "bf16", (1, 3)), ("pallas", "nvfp4", (1, 3)), ("xla", "bf16", ())])
+def test_pipelined_chunks_equal_the_one_program_chunks(impl, weights, cuts):
+    """Two rows, three chunks (window 5: the rings wrap), cuts that make three segments (or none: one segment with
+    the embedding and the head). Row 0 starts a new request at the third chunk (reset) while row 1 continues: the
+    tokens sampled and every cache buffer equal the one-program path's bit for bit."""
     cfg = FlintConfig.tiny()
     params = init_params(cfg, jax.random.key(3), weights)
     B, C = 2, 7
@@ -44,7 +45,7 @@ def test_pipelined_chunks_equal_the_one_program_chunks(impl, weights):
         one = E.reset_slots_in_place(one, jnp.asarray(reset))
         a, one = E.prefill_chunk(params, one, tokens, n_new, keys, *_settings(B), cfg=cfg, impl=impl)
         b, piped = PP.prefill(params, piped, tokens, n_new, keys, *_settings(B), reset=reset, cfg=cfg, impl=impl,
-                              cuts=(1, 3))
+                              cuts=cuts)
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     np.testing.assert_array_equal(np.asarray(one.lengths), np.asarray(piped.lengths))
     assert np.asarray(piped.lengths).tolist() == [5, 4 + 7 + 6]
