@@ -67,16 +67,21 @@ def read_host_events(trace_dir: str) -> list[dict]:
     return sorted(out, key=lambda e: float(e["ts"]))
 
 
+def _gaps(events: list[dict]):
+    """(gap start, gap end, the kernel that ends the gap) for each stretch with no kernel running, from the latest end
+    of any earlier kernel to the next start (kernels sorted by start; overlapping kernels leave no gap)."""
+    end = None
+    for e in events:
+        start = float(e["ts"])
+        if end is not None and start > end:
+            yield end, start, e
+        end = start + float(e["dur"]) if end is None else max(end, start + float(e["dur"]))
+
+
 def longest_gap(events: list[dict]) -> tuple[float, float] | None:
     """(start, end) in trace microseconds of the longest stretch with no kernel running between the first kernel's
     start and the last one's end; None with fewer than two kernels or no gap."""
-    best, end = None, None
-    for e in events:
-        start = float(e["ts"])
-        if end is not None and start > end and (best is None or start - end > best[1] - best[0]):
-            best = (end, start)
-        end = start + float(e["dur"]) if end is None else max(end, start + float(e["dur"]))
-    return best
+    return max(((a, b) for a, b, _ in _gaps(events)), key=lambda g: g[1] - g[0], default=None)
 
 
 def host_activity(host_events: list[dict], start: float, end: float, top: int = 25) -> list[dict]:
@@ -137,12 +142,8 @@ def idle_gaps(events: list[dict], steps: int, top: int = 15) -> dict:
     n = len(events) // steps
     by_name = collections.defaultdict(list)
     for i in range(steps):
-        end = None
-        for e in events[i * n:(i + 1) * n]:
-            start = float(e["ts"])
-            if end is not None and start > end:
-                by_name[e["name"]].append(start - end)
-            end = start + float(e["dur"]) if end is None else max(end, start + float(e["dur"]))
+        for start, end, e in _gaps(events[i * n:(i + 1) * n]):
+            by_name[e["name"]].append(end - start)
     total = sum(sum(g) for g in by_name.values())
     rows = [{"name": name, "gaps_per_step": len(g) / steps, "idle_us_per_step": sum(g) / steps,
              "mean_us": sum(g) / len(g)}

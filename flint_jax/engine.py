@@ -67,8 +67,7 @@ def prefill_chunk(params: Params, state: KVState, tokens: jax.Array, n_new: jax.
     first token uses `token_keys(keys, 0)`). Returns (next token per row, sampled from the logits at the row's last
     real token, and the new state)."""
     h, state = M.model_step(params, state, tokens, n_new, cfg, impl=impl)
-    logits = M.lm_logits(params, M.last_hidden(h, n_new), cfg, impl=impl)
-    return sample(logits, token_keys(keys, jnp.zeros_like(n_new)), temperature, top_k, top_p), state
+    return prefill_pipeline.sample_first_token(params, h, n_new, keys, temperature, top_k, top_p, cfg, impl), state
 
 
 def _decode_step(params, state, tokens, active, keys, temperature, top_k, top_p, cfg, impl):

@@ -30,9 +30,10 @@ from flint_jax.params import Params
 from flint_jax.sampling import sample, token_keys
 from flint_jax.state import KVState, reset_slots
 
-# Layer indices where the chunk is cut. The first segment (embedding + the 2 dense layers, ~60 buffers) starts the
-# device; the second (6 layers, ~240 buffers) is dispatched while the dense layers run (~5 ms of device time at
-# 8K tokens); the rest (~1,650 buffers) while those 6 layers run (~18 ms).
+# Layer indices where the chunk is cut. The first segment (embedding + the 2 dense layers, ~60 buffers with NVFP4
+# weights) starts the device; the second (6 layers, ~240 buffers, ~0.7 ms of dispatch) is dispatched while the dense
+# layers run; the rest (41 layers and the head, ~1,630 buffers, ~5 ms) while those 6 layers run. At 8K tokens a layer
+# averages ~2.9 ms of kernels (run AT: 141 ms for 49 layers), so the device stays ahead of the host.
 DEFAULT_CUTS = (2, 8)
 
 
@@ -51,17 +52,23 @@ def _segment(x, embed_table, layers, caches, lengths, n_new, reset, head, keys, 
     first segment), else the hidden states [B, T, H] from the previous segment. lengths: the state's lengths before
     the chunk (rows in `reset` count as empty). head = (final_norm, lm_head) for the last segment, which returns the
     sampled next token per row and the lengths after the chunk; the others return the hidden states."""
-    lengths = jnp.where(reset, 0, lengths)
-    caches = reset_slots(KVState(layers=caches, lengths=lengths), reset).layers
+    emptied = reset_slots(KVState(layers=caches, lengths=lengths), reset)
     h = embed_table[x] if embed_table is not None else x
-    h, caches = M.run_layers(layers, caches, h, lengths, n_new, cfg, impl, first)
+    h, caches = M.run_layers(layers, emptied.layers, h, emptied.lengths, n_new, cfg, impl, first)
     if head is None:
         return h, caches, None
     final_norm, lm_head = head
-    logits = M.lm_logits(Params(embed=None, layers=(), final_norm=final_norm, lm_head=lm_head),
-                         M.last_hidden(h, n_new), cfg, impl=impl)
-    nxt = sample(logits, token_keys(keys, jnp.zeros_like(n_new)), temperature, top_k, top_p)
-    return nxt, caches, lengths + n_new
+    nxt = sample_first_token(Params(embed=None, layers=(), final_norm=final_norm, lm_head=lm_head), h, n_new, keys,
+                             temperature, top_k, top_p, cfg, impl)
+    return nxt, caches, emptied.lengths + n_new
+
+
+def sample_first_token(params: Params, h, n_new, keys, temperature, top_k, top_p, cfg: FlintConfig, impl: str):
+    """The token after each row's prompt chunk: logits at its last real token (params.final_norm, params.lm_head),
+    sampled with the request's key for its first generated token, `token_keys(keys, 0)`. Shared by this module's last
+    segment and `engine.prefill_chunk`."""
+    logits = M.lm_logits(params, M.last_hidden(h, n_new), cfg, impl=impl)
+    return sample(logits, token_keys(keys, jnp.zeros_like(n_new)), temperature, top_k, top_p)
 
 
 def prefill(params: Params, state: KVState, tokens, n_new, keys: jax.Array, temperature, top_k, top_p, *,
