@@ -7,6 +7,7 @@ Every row has its own settings and its own PRNG key, so a request's tokens do no
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -59,14 +60,58 @@ def filter_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, t
     return jnp.where(x >= cutoff, x, -jnp.inf)
 
 
-@jax.jit
-def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array,
-           top_p: jax.Array) -> jax.Array:
+def filter_logits_top(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                      cap: int) -> jax.Array:
+    """filter_logits for rows whose top_k is in 1..cap (`top_k_cap`): the nucleus is then among the `cap` largest
+    logits, so `lax.top_k(x, cap)` replaces the sort of the whole vocabulary. The same kept set as filter_logits;
+    the softmax and the cumulative sum run over cap values instead of V (the same non-zero terms, so at most a
+    rounding difference in the nucleus' mass at its boundary). Rows outside 1..cap are filtered as if top_k were
+    clipped into it: callers choose cap with `top_k_cap`."""
+    x = logits / temperature[:, None]
+    top = jax.lax.top_k(x, cap)[0]  # [B, cap], descending
+    k = jnp.clip(top_k, 1, cap)
+    kth = jnp.take_along_axis(top, (k - 1)[:, None], axis=-1)
+    top = jnp.where(jnp.arange(cap)[None, :] < k[:, None], top, -jnp.inf)
+    probs = jax.nn.softmax(top, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs
+    cutoff = jnp.min(jnp.where(before < top_p[:, None], top, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(x >= jnp.maximum(kth, cutoff), x, -jnp.inf)
+
+
+# The candidate count of the top-k path (filter_logits_top): the smallest power of two >= every row's top_k, from
+# this minimum, up to TOP_K_MAX_CAP; beyond it (or with top_k = 0, no top-k filter) the whole vocabulary is sorted.
+TOP_K_MIN_CAP = 32
+TOP_K_MAX_CAP = 256
+
+
+def top_k_cap(top_ks) -> int | None:
+    """The static `top_k_cap` of `sample` for rows with these top_k settings (host ints): None when any row has no
+    top-k filter (0) or one above TOP_K_MAX_CAP. A power of two, so few programs are compiled."""
+    top_ks = [int(k) for k in top_ks]
+    if not top_ks or min(top_ks) < 1 or max(top_ks) > TOP_K_MAX_CAP:
+        return None
+    cap = TOP_K_MIN_CAP
+    while cap < max(top_ks):
+        cap *= 2
+    return cap
+
+
+def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+           top_k_cap: int | None = None) -> jax.Array:
     """Next token per row. logits [B, V] f32, keys [B] PRNG keys, settings [B]. Rows with temperature 0 are
-    greedy (argmax; ties to the lower id)."""
+    greedy (argmax; ties to the lower id). top_k_cap (static; see `top_k_cap`): every row's top_k is in
+    1..top_k_cap, so the filter takes the top_k_cap largest logits instead of sorting the vocabulary."""
+    return _sample(logits, keys, temperature, top_k, top_p, top_k_cap=top_k_cap)
+
+
+@functools.partial(jax.jit, static_argnames=("top_k_cap",))
+def _sample(logits, keys, temperature, top_k, top_p, *, top_k_cap):
     greedy = jnp.argmax(logits, axis=-1)
     safe_t = jnp.where(temperature > 0, temperature, 1.0)
-    filtered = filter_logits(logits, safe_t, top_k, top_p)
+    if top_k_cap is None or top_k_cap >= logits.shape[-1]:
+        filtered = filter_logits(logits, safe_t, top_k, top_p)
+    else:
+        filtered = filter_logits_top(logits, safe_t, top_k, top_p, top_k_cap)
     drawn = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, filtered)
     return jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
 

@@ -9,6 +9,8 @@
                                     recomputed from the logits), the expert's gate and up rows streamed once,
                                     SwiGLU fused;
                                     pairs M*k .. M*k+M-1 run the shared expert                  act [M*(k+1), I]
+                                    and (ROUTING_TO_DOWN, on by default) each token's top-k ids and weights,
+                                    written by one program per token                       ids, weights [M, KP]
         3. expert_down              per (token, block of H rows): the k routed experts' down rows and the shared
                                     expert's, combined in FP32 with the routing weights, rounded once, plus the
                                     residual                                                        h_new [M, H]
@@ -52,6 +54,10 @@ ROUTE_IN_ROUTER = False
 # three kernels, and 17.6 us with its barriers removed (wrong results, timing only): the three phases' own serial
 # latency, not the launches, is what the block costs, and each barrier adds ~5 us (docs/BENCHMARKS.md, run H).
 PERSISTENT = False
+# The gate/up kernel writes each token's top-k ids and weights (computed by its programs anyway) and the down kernel
+# reads them, instead of every down program recomputing the top-k from the logits: down's chain loses 6 rounds of
+# reductions before its first weight load. The output bits are unchanged (the same rounds, in the same order).
+ROUTING_TO_DOWN = True
 
 
 def _pick(e_or_n: int, k: int, kind: str, block) -> tuple[int, int, int, int, bool, bool]:
@@ -67,14 +73,20 @@ def _slot_value(vec: jax.Array, slot) -> jax.Array:
     return jnp.sum(jnp.where(jax.lax.broadcasted_iota(jnp.int32, vec.shape, 0) == slot, vec, jnp.zeros_like(vec)))
 
 
-def routing_from_refs(route_a, route_b, k, norm, scaling):
+def routing_from_refs(route_a, route_b, k, norm, scaling, lazy_weights: bool = False):
     """token(t) -> (k expert ids, k weights) of token t: read from the router's output (route_a, route_b = ids_ref,
-    w_ref), or recomputed from the logits (logits_ref, bias_ref) on every call."""
+    w_ref), or recomputed from the logits (logits_ref, bias_ref) on every call. lazy_weights: the weights come as a
+    function that emits their computation where it is called (router.top_k_lazy)."""
     def token(t):
         if route_a.dtype == jnp.int32:
-            ids_row, w_row = route_a[t, :], route_b[t, :]
-            return [_slot_value(ids_row, s) for s in range(k)], [_slot_value(w_row, s) for s in range(k)]
-        return router_mod.select_experts(route_a[t, :], route_b[...], k, norm, scaling)
+            ids_row = route_a[t, :]
+
+            def weights():
+                w_row = route_b[t, :]
+                return [_slot_value(w_row, s) for s in range(k)]
+            return [_slot_value(ids_row, s) for s in range(k)], (weights if lazy_weights else weights())
+        ids, weights = router_mod.top_k_lazy(route_a[t, :], route_b[...], k, norm, scaling)
+        return ids, (weights if lazy_weights else weights())
     return token
 
 
@@ -97,9 +109,11 @@ def _slot_expert(ids, slot):
 
 
 def gate_up_tile(p, blk, token, xs, g_spec, gate, up, s_spec, sgate, sup, store, *, m, k, bn, bk, elementwise,
-                 prefetch):
+                 prefetch, store_routing=None):
     """Rows [blk*bn, (blk+1)*bn) of pair p's SwiGLU activations: pair t*k + s is token t's slot-s expert (from
-    token(t)), pair M*k + t token t's shared expert (s_spec None: no shared expert). store(p, n0, values bf16 [bn])."""
+    token(t)), pair M*k + t token t's shared expert (s_spec None: no shared expert). store(p, n0, values bf16 [bn]).
+    store_routing(t, ids, weights): called by the program of token t's slot 0 and block 0 (see ROUTING_TO_DOWN);
+    then token(t) gives the weights as a function (routing_from_refs' lazy_weights), called there only."""
     n0 = pl.multiple_of(blk * bn, bn)
 
     def run(spec, g_refs, u_refs, t, e):
@@ -112,8 +126,12 @@ def gate_up_tile(p, blk, token, xs, g_spec, gate, up, s_spec, sgate, sup, store,
     @pl.when(p < m * k)
     def _routed():
         t = p // k
-        ids, _ = token(t)
+        ids, ws = token(t)
         run(g_spec, gate, up, t, _slot_expert(ids, p - t * k))
+        if store_routing is not None:
+            @pl.when((blk == 0) & (p == t * k))
+            def _():
+                store_routing(t, ids, ws())
 
     if s_spec is not None:
         @pl.when(p >= m * k)
@@ -122,8 +140,21 @@ def gate_up_tile(p, blk, token, xs, g_spec, gate, up, s_spec, sgate, sup, store,
 
 
 def _gate_up_kernel(route_a, route_b, x_ref, *refs, m, k, g_spec, s_spec, bn, bk, norm, scaling, elementwise,
-                    prefetch):
+                    prefetch, emit_routing):
     refs = list(refs)
+    store_routing = None
+    if emit_routing:
+        w_out, ids_out = refs.pop(), refs.pop()
+
+        def write_routing(t, ids, ws):
+            slot = jax.lax.broadcasted_iota(jnp.int32, ids_out.shape[1:], 0)
+            id_row, w_row = jnp.zeros(slot.shape, jnp.int32), jnp.zeros(slot.shape, F32)
+            for s in range(k):
+                id_row = jnp.where(slot == s, ids[s], id_row)
+                w_row = jnp.where(slot == s, ws[s], w_row)
+            ids_out[t, :] = id_row
+            w_out[t, :] = w_row
+        store_routing = write_routing
     o_ref = refs.pop()
     ng, ns = g_spec.num_operands, (s_spec.num_operands if s_spec is not None else 0)
     gate, up = refs[:ng], refs[ng:2 * ng]
@@ -132,9 +163,10 @@ def _gate_up_kernel(route_a, route_b, x_ref, *refs, m, k, g_spec, s_spec, bn, bk
     def store(p, n0, values):
         o_ref[p, pl.ds(n0, bn)] = values
 
-    gate_up_tile(pl.program_id(0), pl.program_id(1), routing_from_refs(route_a, route_b, k, norm, scaling),
+    token = routing_from_refs(route_a, route_b, k, norm, scaling, lazy_weights=emit_routing)
+    gate_up_tile(pl.program_id(0), pl.program_id(1), token,
                  wt.XSource(x_ref, g_spec.kind), g_spec, gate, up, s_spec, sgate, sup, store, m=m, k=k, bn=bn, bk=bk,
-                 elementwise=elementwise, prefetch=prefetch)
+                 elementwise=elementwise, prefetch=prefetch, store_routing=store_routing)
 
 
 def shared_expert_operands(moe):
@@ -161,11 +193,14 @@ def _route_operands(logits, moe, routing):
 
 
 def expert_gate_up(b: jax.Array, logits: jax.Array, moe, cfg: FlintConfig, *, interpret: bool = False,
-                   block=None, routing=None) -> jax.Array:
+                   block=None, routing=None, emit_routing: bool = False):
     """SwiGLU activations of the selected experts (and the shared expert) for normed inputs b [M, H]:
     row t*k + s is token t's slot-s expert, row M*k + t token t's shared expert. -> [M*(k+shared), I] bf16.
     routing: (ids [M, KP], weights [M, KP]) from `router_logits(..., select=...)`; else the top-k is recomputed
-    from the logits in every program."""
+    from the logits in every program. emit_routing (without routing): also return the top-k the programs computed,
+    (act, ids [M, KP] int32, weights [M, KP] f32), KP = k rounded up to a power of two, slots past k zero."""
+    if emit_routing and routing is not None:
+        raise ValueError("emit_routing recomputes the top-k; it cannot be combined with a given routing")
     m, hidden = b.shape
     k = cfg.num_experts_per_tok
     g_spec, g_ops = wt.weight_operands(moe.gate, stacked=True)
@@ -177,17 +212,22 @@ def expert_gate_up(b: jax.Array, logits: jax.Array, moe, cfg: FlintConfig, *, in
     pairs = m * (k + int(s_spec is not None))
     kernel = functools.partial(_gate_up_kernel, m=m, k=k, g_spec=g_spec, s_spec=s_spec, bn=bn, bk=bk,
                                norm=bool(cfg.norm_topk_prob), scaling=float(cfg.routed_scaling_factor),
-                               elementwise=ew, prefetch=pf)
-    return pl.pallas_call(
+                               elementwise=ew, prefetch=pf, emit_routing=emit_routing)
+    out_shape = [jax.ShapeDtypeStruct((pairs, g_spec.n), BF16)]
+    if emit_routing:
+        kp = wt.pow2_rows(k)
+        out_shape += [jax.ShapeDtypeStruct((m, kp), jnp.int32), jax.ShapeDtypeStruct((m, kp), F32)]
+    outs = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((pairs, g_spec.n), BF16),
+        out_shape=out_shape,
         grid=(pairs, g_spec.n // bn),
         in_specs=[pl.no_block_spec] * len(operands),
-        out_specs=pl.no_block_spec,
+        out_specs=[pl.no_block_spec] * len(out_shape),
         compiler_params=plt.CompilerParams(num_warps=warps, num_stages=stages),
         interpret=interpret,
         name=f"moe_gate_up_{g_spec.kind}",
     )(*operands)
+    return tuple(outs) if emit_routing else outs[0]
 
 
 def down_tile(t, blk, token, xs, d_spec, down, s_spec, sdown, res_ref, store, *, m, k, bn, bk):
@@ -275,7 +315,13 @@ def moe_block(h: jax.Array, layer, cfg: FlintConfig, *, interpret: bool = False,
         logits, b = router_mod.router_logits(flat, moe.router, norm_weight=layer.mlp_norm, eps=cfg.rms_norm_eps,
                                              interpret=interpret, block=block)
         routing = None
-    act = expert_gate_up(b, logits, moe, cfg, interpret=interpret, block=blocks.get("gate_up"), routing=routing)
+    if routing is None and ROUTING_TO_DOWN:
+        act, ids, ws = expert_gate_up(b, logits, moe, cfg, interpret=interpret, block=blocks.get("gate_up"),
+                                      emit_routing=True)
+        routing = (ids, ws)
+    else:
+        act = expert_gate_up(b, logits, moe, cfg, interpret=interpret, block=blocks.get("gate_up"),
+                             routing=routing)
     out = expert_down(act, logits, moe, cfg, flat, interpret=interpret, block=blocks.get("down"), routing=routing)
     return out.reshape(*lead, -1)
 

@@ -38,25 +38,38 @@ def _top_k_rounds(logits: jax.Array, bias: jax.Array, k: int, norm_topk_prob: bo
     each a scalar or an [R] vector. Selection by sigmoid score + bias, ties to the lower index; weights from the
     unbiased score, normalised over the k and scaled (layers.route). scores_given: `logits` already holds the
     sigmoid scores."""
+    ids, weights = top_k_lazy(logits, bias, k, norm_topk_prob, scaling, scores_given)
+    return ids, weights()
+
+
+def top_k_lazy(logits: jax.Array, bias: jax.Array, k: int, norm_topk_prob: bool, scaling: float,
+               scores_given: bool = False):
+    """_top_k_rounds as (k ids, weights): `weights()` emits the weights' reductions where it is called, so a kernel
+    that needs them in one branch only (moe_experts.ROUTING_TO_DOWN) keeps them off its other programs' chains.
+    The same operations as computing them in the rounds, so the same bits."""
     axis = None if logits.ndim == 1 else 1
     keep = (lambda v: v) if axis is None else (lambda v: v[:, None])  # a per-row value against its row
     scores = logits if scores_given else 1.0 / (1.0 + jnp.exp(-logits))
     sel = scores + bias
     iota = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
-    ids, ws = [], []
+    ids, hits = [], []
     for _ in range(k):
         top = jnp.max(sel, axis=axis)
         idx = jnp.min(jnp.where(sel == keep(top), iota, logits.shape[-1]), axis=axis)
         hit = iota == keep(idx)
-        ws.append(jnp.sum(jnp.where(hit, scores, 0.0), axis=axis))
         ids.append(idx)
+        hits.append(hit)
         sel = jnp.where(hit, -jnp.inf, sel)
-    if norm_topk_prob:
-        total = ws[0]
-        for w in ws[1:]:
-            total = total + w
-        ws = [w / total for w in ws]
-    return ids, [w * scaling for w in ws]
+
+    def weights():
+        ws = [jnp.sum(jnp.where(hit, scores, 0.0), axis=axis) for hit in hits]
+        if norm_topk_prob:
+            total = ws[0]
+            for w in ws[1:]:
+                total = total + w
+            ws = [w / total for w in ws]
+        return [w * scaling for w in ws]
+    return ids, weights
 
 
 def select_experts(logits: jax.Array, bias: jax.Array, k: int, norm_topk_prob: bool, scaling: float):

@@ -60,6 +60,7 @@ def _variants():
         "combine_kernel": [(DA, "COMBINE_IN_KERNEL", False)],
         "topk_per_program": [(ME, "ROUTE_IN_ROUTER", False)],  # the default since run G
         "topk_in_router": [(ME, "ROUTE_IN_ROUTER", True)],
+        "down_recomputes_topk": [(ME, "ROUTING_TO_DOWN", False)],  # every down program recomputes the top-k
         "gemv_dot4": [(G, "TABLE_DOT_MIN_ROWS", 4)],  # tensor-core blocks for >= 4 rows (O projection, dense)
         "gemv_dot4_bn16": [(G, "TABLE_DOT_MIN_ROWS", 4), (G, "DOT_BLOCK", (16, 512, 4, 3))],
         "moe_persistent": [(ME, "PERSISTENT", True)],  # router, gate/up, down in one launch (run H: slower)
@@ -115,14 +116,18 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--served", action="store_true",
+                    help="profile the served step (forward + LM head + sampling, Flint's defaults) instead")
     ap.add_argument("--variants", default="base", help="comma list of kernel-knob variants (pallas impl only): "
                     + ", ".join(_variants()))
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     cfg = FlintConfig.tiny() if args.tiny else FlintConfig.flint()
     context = min(args.context, 100) if args.tiny else args.context
-    report = {"device": jax.devices()[0].device_kind, "batch": args.batch, "context": context, "runs": []}
-    md = [f"Device {report['device']}, batch {args.batch}, context {context}, {args.steps} traced steps.", ""]
+    report = {"device": jax.devices()[0].device_kind, "batch": args.batch, "context": context,
+              "step": "served" if args.served else "forward", "runs": []}
+    md = [f"Device {report['device']}, batch {args.batch}, context {context}, {args.steps} traced "
+          f"{report['step']} steps.", ""]
     for weights in args.weights.split(","):
         params = init_params(cfg, jax.random.key(1), weights)
         jax.block_until_ready(params)
@@ -132,19 +137,21 @@ def main(argv=None) -> int:
             tag = f"{weights}/{impl}" + ("" if vname == "base" else f" [{vname}]")
             try:
                 with variant(vname):
-                    forward, _ = make_steps(cfg, impl)
+                    forward, served = make_steps(cfg, impl)
+                    step = served if args.served else forward
                     state = random_state(cfg, args.batch, context + 8, context, jax.random.key(2))
                     tokens = jnp.arange(args.batch, dtype=jnp.int32) + 7
+                    extra = (jax.random.split(jax.random.key(3), args.batch),) if args.served else ()
                     t = time.time()
                     run_params = PARAM_VARIANTS[vname](params, cfg) if vname in PARAM_VARIANTS else params
-                    compiled = forward.lower(run_params, state, tokens, state.lengths).compile()
+                    compiled = step.lower(run_params, state, tokens, state.lengths, *extra).compile()
                     kernels = count_kernels(compiled)
                     log(f"{tag}: compiled in {time.time() - t:.1f}s, {kernels} kernel-launching ops")
-                    # The AOT executable itself: calling `forward` would compile the same program a second time.
-                    ms, state = time_steps(compiled, run_params, state, tokens, (), 20, context)
+                    # The AOT executable itself: calling `step` would compile the same program a second time.
+                    ms, state = time_steps(compiled, run_params, state, tokens, extra, 20, context)
                     log(f"{tag}: {ms:.3f} ms per step")
                     tdir = os.path.join(args.out, f"trace_{weights}_{impl}_{vname}")
-                    events, state = trace_steps(compiled, run_params, state, tokens, (), context, tdir,
+                    events, state = trace_steps(compiled, run_params, state, tokens, extra, context, tdir,
                                                 args.steps)
             except Exception as e:  # noqa: BLE001  (one failing variant must not lose the others)
                 log(f"{tag}: failed: {type(e).__name__}: {str(e)[:500]}")

@@ -162,6 +162,34 @@ def test_moe_block_routing_paths_agree(m, monkeypatch):
     np.testing.assert_array_equal(outs[0], outs[1])
 
 
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_gate_up_emits_the_routing_down_reads(m, monkeypatch):
+    """ROUTING_TO_DOWN: the gate/up kernel's ids and weights are the router's top-k (ids equal, weights to 1e-6;
+    slots past k zero), and the block's output bits do not depend on the flag."""
+    layer = layer_of("nvfp4")
+    moe = layer.mlp
+    h = hidden(400 + m, m)
+    b = layers.rmsnorm(h, layer.mlp_norm, CFG.rms_norm_eps)
+    logits = jnp.einsum("mh,eh->me", b.astype(F32), moe.router.astype(F32))
+    act, ids, ws = jax.jit(lambda b, lg: X.expert_gate_up(b, lg, moe, CFG, interpret=INTERPRET,
+                                                           emit_routing=True))(b, logits)
+    ref_ids, ref_ws = layers.route_from_logits(logits, moe.router_bias, CFG)
+    k = CFG.num_experts_per_tok
+    assert ids.shape == ws.shape == (m, 8)
+    np.testing.assert_array_equal(np.asarray(ids[:, :k]), np.asarray(ref_ids))
+    np.testing.assert_allclose(np.asarray(ws[:, :k]), np.asarray(ref_ws), rtol=1e-6, atol=1e-7)
+    assert not np.asarray(ids[:, k:]).any() and not np.asarray(ws[:, k:]).any()
+    plain = jax.jit(lambda b, lg: X.expert_gate_up(b, lg, moe, CFG, interpret=INTERPRET))(b, logits)
+    np.testing.assert_array_equal(np.asarray(act), np.asarray(plain))
+    outs = []
+    for flag in (True, False):
+        monkeypatch.setattr(X, "ROUTING_TO_DOWN", flag)
+        outs.append(np.asarray(run_block(kernel_block, h, layer, CFG)))
+    np.testing.assert_array_equal(outs[0], outs[1])
+    with pytest.raises(ValueError, match="emit_routing"):
+        X.expert_gate_up(b, logits, moe, CFG, interpret=INTERPRET, emit_routing=True, routing=(ids, ws))
+
+
 @pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
 def test_moe_block_without_shared_expert_and_scaled_weights(kind):
     """No shared expert, routed_scaling_factor 2.5, no top-k normalisation; [B, T, H] input."""

@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flint_jax.sampling import SamplingParams, filter_logits, sample
+from flint_jax.sampling import SamplingParams, filter_logits, filter_logits_top, sample, top_k_cap
 
 
 def _keys(n, seed=0):
@@ -53,6 +53,33 @@ def test_fixed_seeds_reproduce_and_differ_across_seeds():
     c = sample(logits, _keys(8, 6), *args)
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert not np.array_equal(np.asarray(a), np.asarray(c))
+
+
+def test_top_k_path_keeps_what_the_sort_keeps():
+    """filter_logits_top (the `lax.top_k` path) against filter_logits (the sort): the same kept tokens and values for
+    mixed per-row settings, including a tie at the k-th value (both keep every tied token) and top_k = cap."""
+    rows = 64
+    logits = 4.0 * jax.random.normal(jax.random.key(3), (rows, 3000))
+    logits = logits.at[0, :5].set(40.0)  # five tied maxima: top_k 2 keeps all five
+    rng = np.random.default_rng(0)
+    top_k = jnp.asarray(rng.integers(1, 33, rows), jnp.int32).at[0].set(2).at[1].set(32)
+    top_p = jnp.asarray(rng.choice([0.3, 0.8, 0.95, 1.0], rows), jnp.float32).at[0].set(1.0)
+    temp = jnp.asarray(rng.choice([0.5, 1.0, 1.7], rows), jnp.float32)
+    want = np.asarray(filter_logits(logits, temp, top_k, top_p))
+    got = np.asarray(jax.jit(filter_logits_top, static_argnums=4)(logits, temp, top_k, top_p, 32))
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
+    np.testing.assert_array_equal(got[np.isfinite(got)], want[np.isfinite(want)])
+    assert np.isfinite(want[0]).sum() == 5
+    keys = _keys(rows, 9)
+    np.testing.assert_array_equal(np.asarray(sample(logits, keys, temp, top_k, top_p, top_k_cap=32)),
+                                  np.asarray(sample(logits, keys, temp, top_k, top_p)))
+
+
+def test_top_k_cap_is_the_smallest_power_of_two_that_holds_every_row():
+    assert top_k_cap([20]) == 32 and top_k_cap([1, 20, 7]) == 32
+    assert top_k_cap([33]) == 64 and top_k_cap([256]) == 256
+    assert top_k_cap([20, 0]) is None  # a row without a top-k filter needs the whole vocabulary
+    assert top_k_cap([257]) is None and top_k_cap([]) is None
 
 
 @pytest.mark.parametrize("bad, match", [
