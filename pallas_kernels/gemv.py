@@ -47,6 +47,9 @@ LARGE_N = 65536  # outputs from which an NVFP4 weight streams with the LM head's
 # has the measured tables; the dot path at M = 8 inside the step is the profile variant "gemv_dot4").
 TABLE_DOT_MIN_ROWS = None
 DOT_BLOCK = (32, 512, 4, 3)  # (bn, bk, warps, stages)
+# BF16 weights at M <= 2: (bn, bk, warps, prefetch) for K >= 4096 ("long_k": O projection, dense down) and shorter K
+# ("short_k": QKV); None: the generic rows below.
+BF16_TABLE: dict | None = None
 
 
 def pick_blocks(spec: wt.WeightSpec, m: int, n_weights: int = 1, allow_dot: bool = True) -> Blocks:
@@ -67,6 +70,11 @@ def pick_blocks(spec: wt.WeightSpec, m: int, n_weights: int = 1, allow_dot: bool
             bn, bk = 16, max(bk, 2048)
     elif spec.kind == "nvfp4":
         bn, warps, stages = 16, 4, 3
+    elif m <= 2 and BF16_TABLE is not None:
+        bn, bk, warps, prefetch = BF16_TABLE["long_k" if spec.k >= 4096 else "short_k"]
+        stages = 3
+        bn = max(1, bn // n_weights)
+        return Blocks(wt.largest_pow2_divisor(spec.n, bn), wt.k_tile(spec, bk), warps, stages, prefetch=prefetch)
     else:
         bn, warps, stages = (16, 4, 3) if m <= 2 else (8, 4, 3)
     if n_weights > 1:

@@ -42,6 +42,9 @@ F32, BF16 = jnp.float32, jnp.bfloat16
 # (rows of I per program, K tile, warps, stages); 1024-value K tiles: 8.4 us vs 8.9 with 512 on the H200
 GATE_UP_BLOCK = (8, 1024, 4, 3)
 DOWN_BLOCK = (8, 512, 4, 1)  # (rows of H per program, ...); I = 512 is one K step for Flint
+# The same for BF16 experts.
+BF16_GATE_UP_BLOCK = GATE_UP_BLOCK
+BF16_DOWN_BLOCK = DOWN_BLOCK
 ROUTER_BLOCK = (2, 2048, 8, 1)  # 8 warps: 2.43 vs 2.53 us on the H200 (tune_weight_kernels)
 # The top-k once, in the router kernel's last program (router.py), instead of in every expert-kernel program.
 # Off: measured in the whole step on the H200 (run G, docs/BENCHMARKS.md) it cost more than it saved: the expert
@@ -127,11 +130,11 @@ def gate_up_tile(p, blk, token, xs, g_spec, gate, up, s_spec, sgate, sup, store,
     def _routed():
         t = p // k
         ids, ws = token(t)
-        run(g_spec, gate, up, t, _slot_expert(ids, p - t * k))
-        if store_routing is not None:
+        if store_routing is not None:  # before the weights: the top-k's masks die here, not after the K loop
             @pl.when((blk == 0) & (p == t * k))
             def _():
                 store_routing(t, ids, ws())
+        run(g_spec, gate, up, t, _slot_expert(ids, p - t * k))
 
     if s_spec is not None:
         @pl.when(p >= m * k)
@@ -208,7 +211,8 @@ def expert_gate_up(b: jax.Array, logits: jax.Array, moe, cfg: FlintConfig, *, in
     s_spec, shared_ops, _, _ = shared_expert_operands(moe)
     operands = [*_route_operands(logits, moe, routing), wt.x_operand(b.astype(BF16), g_spec.kind), *g_ops, *u_ops,
                 *shared_ops]
-    bn, bk, warps, stages, ew, pf = _pick(g_spec.n, hidden, g_spec.kind, block or GATE_UP_BLOCK)
+    table = GATE_UP_BLOCK if g_spec.kind == "nvfp4" else BF16_GATE_UP_BLOCK
+    bn, bk, warps, stages, ew, pf = _pick(g_spec.n, hidden, g_spec.kind, block or table)
     pairs = m * (k + int(s_spec is not None))
     kernel = functools.partial(_gate_up_kernel, m=m, k=k, g_spec=g_spec, s_spec=s_spec, bn=bn, bk=bk,
                                norm=bool(cfg.norm_topk_prob), scaling=float(cfg.routed_scaling_factor),
@@ -276,7 +280,8 @@ def expert_down(act: jax.Array, logits: jax.Array, moe, cfg: FlintConfig, residu
     _, _, s_spec, shared_ops = shared_expert_operands(moe)
     operands = [*_route_operands(logits, moe, routing), wt.x_operand(act.astype(BF16), d_spec.kind), *d_ops,
                 *shared_ops]
-    bn, bk, warps, stages, _, _ = _pick(hidden, d_spec.k, d_spec.kind, block or DOWN_BLOCK)
+    table = DOWN_BLOCK if d_spec.kind == "nvfp4" else BF16_DOWN_BLOCK
+    bn, bk, warps, stages, _, _ = _pick(hidden, d_spec.k, d_spec.kind, block or table)
     operands.append(residual.astype(BF16))
     in_specs = [pl.no_block_spec] * len(operands)
     kernel = functools.partial(_down_kernel, m=m, k=k, d_spec=d_spec, s_spec=s_spec, bn=bn, bk=bk,

@@ -1,5 +1,6 @@
 """What sampling costs on the device: `sampling.sample` over Flint's vocabulary, the whole-vocabulary sort path
-against the top-k path (`top_k_cap`), and the pieces of each (sort, lax.top_k, cumsum, categorical).
+against the top-k path (`top_k_path=True`, per segment size), and the pieces of each (sort, lax.top_k, cumsum,
+categorical).
 
 Each case is one jitted function called `--steps` times back to back under the profiler; the table gives its device
 span per call (first kernel start to last kernel end, flint_jax.device_trace) and its kernels per call.
@@ -25,18 +26,21 @@ import jax.numpy as jnp  # noqa: E402
 from flint_jax import device_trace, sampling  # noqa: E402
 
 
-def cases(caps):
-    """name -> function of (logits, keys, temperature, top_k, top_p), each jitted by the caller."""
-    out = {"sample (sort path)": lambda l, k, t, tk, tp: sampling.sample(l, k, t, tk, tp)}
-    for cap in caps:
-        out[f"sample (top-k path, cap {cap})"] = (
-            lambda l, k, t, tk, tp, cap=cap: sampling.sample(l, k, t, tk, tp, top_k_cap=cap))
-    out["jnp.sort alone"] = lambda l, *_: jnp.sort(l, axis=-1)
-    for cap in caps:
-        out[f"lax.top_k {cap} alone"] = lambda l, *_, cap=cap: jax.lax.top_k(l, cap)[0]
-    out["jnp.cumsum alone"] = lambda l, *_: jnp.cumsum(l, axis=-1)
-    out["categorical alone"] = lambda l, k, *_: jax.vmap(jax.random.categorical)(k, l)
-    out["argmax alone"] = lambda l, *_: jnp.argmax(l, axis=-1)
+def cases(segments):
+    """name -> function of (logits, keys, temperature, top_k, top_p), jitted by the caller (while the
+    segment setting it names is in place)."""
+    out = {"sample (sort path)": (None, lambda l, k, t, tk, tp: sampling.sample(l, k, t, tk, tp))}
+    for seg in segments:
+        out[f"sample (top-k path, segments of {seg})"] = (
+            seg, lambda l, k, t, tk, tp: sampling.sample(l, k, t, tk, tp, top_k_path=True))
+        out[f"top_values alone, segments of {seg}"] = (
+            seg, lambda l, *_: sampling.top_values(l, sampling.TOP_K_CANDIDATES))
+    out["jnp.sort alone"] = (None, lambda l, *_: jnp.sort(l, axis=-1))
+    out["lax.top_k 16 alone"] = (None, lambda l, *_: jax.lax.top_k(l, 16)[0])
+    out["lax.top_k 64 alone"] = (None, lambda l, *_: jax.lax.top_k(l, 64)[0])
+    out["jnp.cumsum alone"] = (None, lambda l, *_: jnp.cumsum(l, axis=-1))
+    out["categorical alone"] = (None, lambda l, k, *_: jax.vmap(jax.random.categorical)(k, l))
+    out["argmax alone"] = (None, lambda l, *_: jnp.argmax(l, axis=-1))
     return out
 
 
@@ -47,12 +51,12 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--top-k", type=int, default=sampling.DEFAULT_TOP_K)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--segments", default="512,1024,2048", help="sampling.TOP_K_SEGMENT values to time")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    cap = sampling.top_k_cap([args.top_k])
-    if cap is None:
-        raise SystemExit(f"--top-k {args.top_k}: no top-k path for it (1..{sampling.TOP_K_MAX_CAP})")
-    caps = sorted({cap, 64, sampling.TOP_K_MAX_CAP})
+    if not sampling.fits_top_k_path([args.top_k]):
+        raise SystemExit(f"--top-k {args.top_k}: no top-k path for it (1..{sampling.TOP_K_CANDIDATES})")
+    segments = [int(s) for s in args.segments.split(",")]
     rows, md = [], [f"Device {jax.devices()[0].device_kind}, vocabulary {args.vocab}, top_k {args.top_k}, "
                     f"top_p {sampling.DEFAULT_TOP_P}, {args.steps} calls per case.", "",
                     "| case | batch | device us per call | kernels per call |", "|---|---|---|---|"]
@@ -61,9 +65,14 @@ def main(argv=None) -> int:
         keys = jax.random.split(jax.random.key(1), batch)
         settings = (jnp.full((batch,), sampling.DEFAULT_TEMPERATURE), jnp.full((batch,), args.top_k, jnp.int32),
                     jnp.full((batch,), sampling.DEFAULT_TOP_P))
-        for name, fn in cases(caps).items():
+        for name, (seg, fn) in cases(segments).items():
             f = jax.jit(fn)
-            jax.block_until_ready(f(logits, keys, *settings))  # compile and warm up
+            default_segment = sampling.TOP_K_SEGMENT
+            sampling.TOP_K_SEGMENT = seg or default_segment
+            try:
+                jax.block_until_ready(f(logits, keys, *settings))  # compile (reads the segment) and warm up
+            finally:
+                sampling.TOP_K_SEGMENT = default_segment
 
             def run():
                 out = None

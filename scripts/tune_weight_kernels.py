@@ -8,6 +8,7 @@ launches in the trace (GPU time only: no launch gaps, no host). GB/s counts the 
 plus the routed experts' for the MoE kernels). GPU only (on a CPU the kernels would run in interpret mode).
 
     python scripts/tune_weight_kernels.py --out /tmp/tune [--cases qkv,o,gate_up,down,router,lm_head] [--budget-s 200]
+    python scripts/tune_weight_kernels.py --out /tmp/tune --weights bf16 --cases qkv,o,gate_up,down
     python scripts/tune_weight_kernels.py --out /tmp/tune --tiny     # CPU smoke run: interpret mode, no timing
 """
 
@@ -77,6 +78,24 @@ def nvfp4_bytes(n: int, k: int) -> int:
     return n * k // 2 + n * k // 16
 
 
+def bf16_gemv_grid(k: int):
+    """BF16 candidates for a K-long weight: thin blocks, K tiles up to the whole row (no decode: the in-flight bytes
+    per program, not the FMA pipe, are what a BF16 GEMV must raise)."""
+    out = [None]
+    tiles = [t for t in (1024, 2048, 4096) if t <= k]
+    for bn, bk, warps in itertools.product((4, 8), tiles, (4, 8)):
+        out.append((bn, bk, warps, 3, False, False, False))
+    for bn, bk, warps in ((4, 1024, 4), (8, 1024, 8), (4, 2048, 8), (8, 2048, 4)):
+        if bk <= k:
+            out.append((bn, bk, warps, 3, False, False, True))
+    return out
+
+
+def bf16_gate_up_grid():
+    return [None] + [(bn, bk, warps, 3, False, False)
+                     for bn, bk, warps in itertools.product((4, 8, 16), (1024, 2048), (4, 8))]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -86,6 +105,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=1e9)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--tiny", action="store_true", help="tiny widths, two settings per kernel, no timing (CPU CI)")
+    ap.add_argument("--weights", default="nvfp4", choices=("nvfp4", "bf16"),
+                    help="the weight format of the model (and of the grids: BF16 has its own)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     interpret = jax.default_backend() != "gpu"
@@ -95,9 +116,11 @@ def main(argv=None) -> int:
     L, M = (2 if args.tiny else args.layers), args.batch
     cfg = dataclasses.replace(flint, num_hidden_layers=L, layer_types=flint.layer_types[:L], first_k_dense_replace=0)
     t = time.time()
-    params = jax.block_until_ready(init_params(cfg, jax.random.key(1), "nvfp4"))
+    params = jax.block_until_ready(init_params(cfg, jax.random.key(1), args.weights))
     layers = params.layers
-    log(f"{L} Flint-width MoE layers (NVFP4) built in {time.time() - t:.1f}s; batch {M}")
+    log(f"{L} Flint-width MoE layers ({args.weights}) built in {time.time() - t:.1f}s; batch {M}")
+    bf16 = args.weights == "bf16"
+    wbytes = (lambda n, k: 2 * n * k) if bf16 else nvfp4_bytes
     H, Hq, KV, D = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     I, E, k = cfg.moe_intermediate_size, cfg.n_routed_experts, cfg.num_experts_per_tok
     keys = jax.random.split(jax.random.key(2), 4)
@@ -117,16 +140,13 @@ def main(argv=None) -> int:
         return fn
 
     cases = {
-        "qkv": (gemv_grid(), with_qkv_block, nvfp4_bytes((Hq + 2 * KV) * D, H)),
-        "o": (gemv_grid(), lambda b: lambda layer, _: G.gemv(xo, layer.attn.o, residual=x, block=b,
-                                                              interpret=interpret),
-              nvfp4_bytes(H, Hq * D)),
-        "gate_up": (gate_up_grid(), lambda b: lambda layer, i: ME.expert_gate_up(
-            x, logits[i], layer.mlp, cfg, block=b, interpret=interpret),
-                    2 * nvfp4_bytes(I, H) * (E * experts + 1)),
+        "qkv": (bf16_gemv_grid(H) if bf16 else gemv_grid(), with_qkv_block, wbytes((Hq + 2 * KV) * D, H)),
+        "o": (bf16_gemv_grid(Hq * D) if bf16 else gemv_grid(), lambda b: lambda layer, _: G.gemv(
+            xo, layer.attn.o, residual=x, block=b, interpret=interpret), wbytes(H, Hq * D)),
+        "gate_up": (bf16_gate_up_grid() if bf16 else gate_up_grid(), lambda b: lambda layer, i: ME.expert_gate_up(
+            x, logits[i], layer.mlp, cfg, block=b, interpret=interpret), 2 * wbytes(I, H) * (E * experts + 1)),
         "down": (down_grid(), lambda b: lambda layer, i: ME.expert_down(
-            act, logits[i], layer.mlp, cfg, x, block=b, interpret=interpret),
-                 nvfp4_bytes(H, I) * (E * experts + 1)),
+            act, logits[i], layer.mlp, cfg, x, block=b, interpret=interpret), wbytes(H, I) * (E * experts + 1)),
         "router": (router_grid(), lambda b: lambda layer, _: R.router_logits(
             x, layer.mlp.router, norm_weight=layer.mlp_norm, eps=cfg.rms_norm_eps, block=b,
             interpret=interpret)[0], E * H * 2),
@@ -136,8 +156,8 @@ def main(argv=None) -> int:
     xs = jax.random.normal(jax.random.key(5), (L, M, H), jnp.bfloat16)
     cases["lm_head"] = (lm_head_grid(), lambda b: lambda layer, i: G.gemv_logits(
         xs[i], params.lm_head, norm_weight=params.final_norm, eps=cfg.rms_norm_eps, block=b, interpret=interpret),
-        nvfp4_bytes(cfg.vocab_size, H))
-    results = {"device": jax.devices()[0].device_kind, "layers": L, "batch": M, "rows": []}
+        wbytes(cfg.vocab_size, H))
+    results = {"device": jax.devices()[0].device_kind, "layers": L, "batch": M, "weights": args.weights, "rows": []}
     for name in args.cases.split(","):
         grid, make, nbytes = cases[name]
         if args.tiny:
