@@ -47,9 +47,12 @@ LARGE_N = 65536  # outputs from which an NVFP4 weight streams with the LM head's
 # has the measured tables; the dot path at M = 8 inside the step is the profile variant "gemv_dot4").
 TABLE_DOT_MIN_ROWS = None
 DOT_BLOCK = (32, 512, 4, 3)  # (bn, bk, warps, stages)
-# BF16 weights at M <= 2: (bn, bk, warps, prefetch) for K >= 4096 ("long_k": O projection, dense down) and shorter K
-# ("short_k": QKV); None: the generic rows below.
-BF16_TABLE: dict | None = None
+# BF16 weights at M <= 2, one weight per kernel: (bn, bk, warps, prefetch) for K >= 4096 ("long_k": O projection,
+# dense down) and shorter K ("short_k": QKV); None: the generic rows below. Measured on the H200
+# (scripts/tune_weight_kernels.py --weights bf16, 24 distinct layers, docs/BENCHMARKS.md run AZ): the whole row
+# in one step of 4 rows with 8 warps, O projection 8.93 -> 5.98 us; QKV 8.99 -> 7.78 us. The generic rows' 512-value
+# K tiles keep too few bytes in flight per program: a BF16 GEMV has no decode to hide behind.
+BF16_TABLE: dict | None = {"long_k": (4, 4096, 8, False), "short_k": (4, 2048, 4, False)}
 
 
 def pick_blocks(spec: wt.WeightSpec, m: int, n_weights: int = 1, allow_dot: bool = True) -> Blocks:
@@ -70,10 +73,9 @@ def pick_blocks(spec: wt.WeightSpec, m: int, n_weights: int = 1, allow_dot: bool
             bn, bk = 16, max(bk, 2048)
     elif spec.kind == "nvfp4":
         bn, warps, stages = 16, 4, 3
-    elif m <= 2 and BF16_TABLE is not None:
+    elif m <= 2 and n_weights == 1 and BF16_TABLE is not None:
         bn, bk, warps, prefetch = BF16_TABLE["long_k" if spec.k >= 4096 else "short_k"]
         stages = 3
-        bn = max(1, bn // n_weights)
         return Blocks(wt.largest_pow2_divisor(spec.n, bn), wt.k_tile(spec, bk), warps, stages, prefetch=prefetch)
     else:
         bn, warps, stages = (16, 4, 3) if m <= 2 else (8, 4, 3)

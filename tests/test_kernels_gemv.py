@@ -111,6 +111,22 @@ def test_block_table_for_flint_shapes(monkeypatch):
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=0, atol=1e-5 * float(jnp.max(jnp.abs(ref))))
 
 
+@pytest.mark.parametrize("k", [4096, 2048])
+def test_bf16_table_rows(k):
+    """BF16 at M <= 2 with one weight takes gemv.BF16_TABLE's rows (run AZ): the whole K row per step, 4 rows per
+    program; they compute the reference's outputs (norm and residual fused). More rows, or two weights, keep the
+    generic table."""
+    spec = wt.WeightSpec("bf16", 1, 2048, k)
+    want = G.BF16_TABLE["long_k" if k >= 4096 else "short_k"]
+    assert G.pick_blocks(spec, 1)[:3] == want[:3] and G.pick_blocks(spec, 2)[:3] == want[:3]
+    assert G.pick_blocks(spec, 4)[:3] != want[:3] and G.pick_blocks(spec, 1, n_weights=2)[:3] != want[:3]
+    x, nw, res = inputs(50, 1, 64, k)
+    w = make_weight(jax.random.PRNGKey(51), 64, k, "bf16")
+    out = jax.jit(lambda x, w, nw, res: G.gemv(x, w, norm_weight=nw, residual=res, interpret=INTERPRET))(
+        x, w, nw, res)
+    assert_residual_close(out, G.ref_gemv(x, w, norm_weight=nw, residual=res), res)
+
+
 @pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
 def test_table_dot_rows_switch_to_tensor_cores(kind, monkeypatch):
     """TABLE_DOT_MIN_ROWS (the profile variant gemv_dot4): from 4 rows on, the table's blocks take the tensor-core
