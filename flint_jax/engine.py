@@ -31,7 +31,7 @@ from flint_jax import model as M
 from flint_jax import prefill_pipeline
 from flint_jax.config import FlintConfig
 from flint_jax.params import Params
-from flint_jax.sampling import SamplingParams, fits_top_k_path, sample, token_keys
+from flint_jax.sampling import SamplingParams, sample, token_keys
 from flint_jax.state import MAX_BATCH, KVState, init_state, reset_slots
 
 
@@ -70,26 +70,24 @@ def prefill_chunk(params: Params, state: KVState, tokens: jax.Array, n_new: jax.
     return prefill_pipeline.sample_first_token(params, h, n_new, keys, temperature, top_k, top_p, cfg, impl), state
 
 
-def _decode_step(params, state, tokens, active, keys, temperature, top_k, top_p, cfg, impl, top_k_path):
+def _decode_step(params, state, tokens, active, keys, temperature, top_k, top_p, cfg, impl):
     h, state = M.model_step(params, state, tokens[:, None], active.astype(jnp.int32), cfg, impl=impl)
     logits = M.lm_logits(params, h[:, 0], cfg, impl=impl)
-    return sample(logits, keys, temperature, top_k, top_p, top_k_path=top_k_path), state
+    return sample(logits, keys, temperature, top_k, top_p), state
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "impl", "top_k_path"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("state",))
 def decode(params: Params, state: KVState, tokens: jax.Array, active: jax.Array, keys: jax.Array,
-           temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, cfg: FlintConfig, impl: str = "xla",
-           top_k_path: bool = False):
+           temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, cfg: FlintConfig, impl: str = "xla"):
     """One decode step: tokens [B] at each row's next position (inactive rows are left untouched), sampled with
-    the given keys [B]. Returns (next token per row, new state). top_k_path: see sampling.sample."""
-    return _decode_step(params, state, tokens, active, keys, temperature, top_k, top_p, cfg, impl, top_k_path)
+    the given keys [B]. Returns (next token per row, new state)."""
+    return _decode_step(params, state, tokens, active, keys, temperature, top_k, top_p, cfg, impl)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "impl", "num_steps", "top_k_path"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("cfg", "impl", "num_steps"), donate_argnames=("state",))
 def decode_steps(params: Params, state: KVState, tokens: jax.Array, active: jax.Array, limits: jax.Array,
                  keys: jax.Array, generated: jax.Array, temperature: jax.Array, top_k: jax.Array,
-                 top_p: jax.Array, cfg: FlintConfig, impl: str = "xla", num_steps: int = 1,
-                 top_k_path: bool = False):
+                 top_p: jax.Array, cfg: FlintConfig, impl: str = "xla", num_steps: int = 1):
     """`num_steps` decode steps in one program; each step's sampled token is the next step's input.
 
     tokens [B]: each row's last token (not yet in the state). active [B] bool. limits [B] int: row b runs a step
@@ -107,7 +105,7 @@ def decode_steps(params: Params, state: KVState, tokens: jax.Array, active: jax.
         with jax.named_scope(f"step{i}"):
             live = active & (state.lengths < limits)
             nxt, state = _decode_step(params, state, tokens, live, token_keys(keys, generated + i), temperature,
-                                      top_k, top_p, cfg, impl, top_k_path)
+                                      top_k, top_p, cfg, impl)
         out.append(jnp.where(live, nxt, -1))
         tokens = nxt
     return jnp.stack(out), state
@@ -279,12 +277,9 @@ class Engine:
             # The state holds prompt + generated - 1 tokens; the request's last token is its max_tokens-th, sampled
             # by the step that writes position prompt + max_tokens - 2, so no step may start at this length.
             limits[b] = len(s.prompt) + s.sampling.max_tokens - 1
-        # Flint's defaults (top_k 20) sample without sorting the vocabulary; the same tokens either way.
-        sampled = [slots[b].sampling for b in rows if slots[b].sampling.temperature > 0]
         out, self.state = decode_steps(self.params, self.state, tokens, active, limits, self.keys, generated,
                                        *self._settings(slots, rows), cfg=self.cfg, impl=self.impl,
-                                       num_steps=self.steps_per_dispatch,
-                                       top_k_path=fits_top_k_path([s.top_k for s in sampled]))
+                                       num_steps=self.steps_per_dispatch)
         out = np.asarray(out)
         for step in out:
             for b in rows:

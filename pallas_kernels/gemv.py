@@ -49,7 +49,7 @@ TABLE_DOT_MIN_ROWS = None
 DOT_BLOCK = (32, 512, 4, 3)  # (bn, bk, warps, stages)
 # BF16 weights at M <= 2, one weight per kernel: (bn, bk, warps, prefetch) for K >= 4096 ("long_k": O projection,
 # dense down) and shorter K ("short_k": QKV); None: the generic rows below. Measured on the H200
-# (scripts/tune_weight_kernels.py --weights bf16, 24 distinct layers, docs/BENCHMARKS.md run AZ): the whole row
+# (scripts/tune_weight_kernels.py --weights bf16, 24 distinct layers, docs/BENCHMARKS.md run BB): the whole row
 # in one step of 4 rows with 8 warps, O projection 8.93 -> 5.98 us; QKV 8.99 -> 7.78 us. The generic rows' 512-value
 # K tiles keep too few bytes in flight per program: a BF16 GEMV has no decode to hide behind.
 BF16_TABLE: dict | None = {"long_k": (4, 4096, 8, False), "short_k": (4, 2048, 4, False)}

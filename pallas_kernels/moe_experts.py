@@ -42,7 +42,7 @@ F32, BF16 = jnp.float32, jnp.bfloat16
 # (rows of I per program, K tile, warps, stages); 1024-value K tiles: 8.4 us vs 8.9 with 512 on the H200
 GATE_UP_BLOCK = (8, 1024, 4, 3)
 DOWN_BLOCK = (8, 512, 4, 1)  # (rows of H per program, ...); I = 512 is one K step for Flint
-# The same for BF16 experts (tune_weight_kernels.py --weights bf16, run AZ: gate/up 12.16 -> 11.22 us, down 9.28 ->
+# The same for BF16 experts (tune_weight_kernels.py --weights bf16, run BB: gate/up 12.16 -> 11.22 us, down 9.28 ->
 # 9.01 us).
 BF16_GATE_UP_BLOCK = (4, 2048, 4, 3)
 BF16_DOWN_BLOCK = (4, 512, 2, 1)

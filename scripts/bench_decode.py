@@ -115,11 +115,6 @@ def random_state(cfg: FlintConfig, batch: int, max_len: int, context: int, key) 
     return KVState(tuple(layers), jnp.full((batch,), context, jnp.int32))
 
 
-# The served step samples as the engine does with Flint's defaults (top_k 20: sampling's top-k path, no sort of the
-# vocabulary); profile_decode's variant "sort_sampling" sets this False.
-SERVED_TOP_K_PATH = True
-
-
 def make_steps(cfg: FlintConfig, impl: str):
     # Each step starts from `lengths` (the benchmark's context), so repeated steps all run at that context.
     @functools.partial(jax.jit, donate_argnums=(1,))
@@ -133,7 +128,7 @@ def make_steps(cfg: FlintConfig, impl: str):
         state = dataclasses.replace(state, lengths=lengths)
         B = tokens.shape[0]
         return E.decode(params, state, tokens, jnp.ones(B, bool), keys, jnp.ones(B), jnp.full((B,), 20, jnp.int32),
-                        jnp.full((B,), 0.95), cfg=cfg, impl=impl, top_k_path=SERVED_TOP_K_PATH)
+                        jnp.full((B,), 0.95), cfg=cfg, impl=impl)
     return forward, served
 
 
@@ -146,8 +141,7 @@ def make_burst(cfg: FlintConfig, impl: str, num_steps: int):
         B = tokens.shape[0]
         out, state = E.decode_steps(params, state, tokens, jnp.ones(B, bool), jnp.full((B,), 1 << 30, jnp.int32),
                                     keys, jnp.zeros(B, jnp.int32), jnp.ones(B), jnp.full((B,), 20, jnp.int32),
-                                    jnp.full((B,), 0.95), cfg=cfg, impl=impl, num_steps=num_steps,
-                                    top_k_path=SERVED_TOP_K_PATH)
+                                    jnp.full((B,), 0.95), cfg=cfg, impl=impl, num_steps=num_steps)
         return out, state
     return burst
 

@@ -42,7 +42,6 @@ def _variants():
     from flint_jax.pallas_kernels import grid_sync as GS
     from flint_jax.pallas_kernels import moe_experts as ME
     from flint_jax.pallas_kernels import moe_persistent as MP
-    import bench_decode as BD
     return {
         "base": [],
         "prefetch": [(G, "TABLE_PREFETCH", True), (ME, "GATE_UP_BLOCK", (8, 512, 4, 3, False, True))],
@@ -62,7 +61,6 @@ def _variants():
         "topk_per_program": [(ME, "ROUTE_IN_ROUTER", False)],  # the default since run G
         "topk_in_router": [(ME, "ROUTE_IN_ROUTER", True)],
         "down_recomputes_topk": [(ME, "ROUTING_TO_DOWN", False)],  # every down program recomputes the top-k
-        "sort_sampling": [(BD, "SERVED_TOP_K_PATH", False)],  # --served: sample by sorting the vocabulary
         "gemv_dot4": [(G, "TABLE_DOT_MIN_ROWS", 4)],  # tensor-core blocks for >= 4 rows (O projection, dense)
         "gemv_dot4_bn16": [(G, "TABLE_DOT_MIN_ROWS", 4), (G, "DOT_BLOCK", (16, 512, 4, 3))],
         "moe_persistent": [(ME, "PERSISTENT", True)],  # router, gate/up, down in one launch (run H: slower)
@@ -137,6 +135,7 @@ def main(argv=None) -> int:
                 for v in (args.variants.split(",") if impl == "pallas" else ["base"])]
         for impl, vname in runs:
             tag = f"{weights}/{impl}" + ("" if vname == "base" else f" [{vname}]")
+            jax.clear_caches()  # module-level jitted functions (engine.decode) would reuse another variant's trace
             try:
                 with variant(vname):
                     forward, served = make_steps(cfg, impl)

@@ -113,7 +113,7 @@ def test_block_table_for_flint_shapes(monkeypatch):
 
 @pytest.mark.parametrize("k", [4096, 2048])
 def test_bf16_table_rows(k):
-    """BF16 at M <= 2 with one weight takes gemv.BF16_TABLE's rows (run AZ): the whole K row per step, 4 rows per
+    """BF16 at M <= 2 with one weight takes gemv.BF16_TABLE's rows (run BB): the whole K row per step, 4 rows per
     program; they compute the reference's outputs (norm and residual fused). More rows, or two weights, keep the
     generic table."""
     spec = wt.WeightSpec("bf16", 1, 2048, k)
