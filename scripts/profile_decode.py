@@ -61,6 +61,9 @@ def _variants():
         "topk_per_program": [(ME, "ROUTE_IN_ROUTER", False)],  # the default since run G
         "topk_in_router": [(ME, "ROUTE_IN_ROUTER", True)],
         "down_recomputes_topk": [(ME, "ROUTING_TO_DOWN", False)],  # every down program recomputes the top-k
+        # BF16 weights with the blocks from before run BB's sweep
+        "bf16_generic_tables": [(G, "BF16_TABLE", None), (ME, "BF16_GATE_UP_BLOCK", (8, 1024, 4, 3)),
+                                (ME, "BF16_DOWN_BLOCK", (8, 512, 4, 1))],
         "gemv_dot4": [(G, "TABLE_DOT_MIN_ROWS", 4)],  # tensor-core blocks for >= 4 rows (O projection, dense)
         "gemv_dot4_bn16": [(G, "TABLE_DOT_MIN_ROWS", 4), (G, "DOT_BLOCK", (16, 512, 4, 3))],
         "moe_persistent": [(ME, "PERSISTENT", True)],  # router, gate/up, down in one launch (run H: slower)
