@@ -45,6 +45,10 @@ NEG_INF = float("-inf")
 
 BLOCK_K = 64  # keys per step
 NUM_WARPS, NUM_STAGES = 4, 3
+# Warps of the ring (sliding-layer) kernels: its programs are latency-bound and 8 warps shorten their chain. Run BD
+# (docs/BENCHMARKS.md, NVFP4, 100K, in the step): ring 10.3 -> 9.3 us per layer with 8 warps, while the full layers
+# streaming 200 MB of K/V got slower with 8 (51.7 -> 56.7 us), so they keep NUM_WARPS.
+RING_NUM_WARPS = 8
 # Full layers: at most this many (b, kv, split) programs, one wave at 2 programs per SM on the H200's 132 SMs. Run O
 # (docs/BENCHMARKS.md), 100K at B = 1: 64 splits (256 programs) 52.7 us per layer, 128 splits (512 programs, two
 # waves) 69.6 us.
@@ -407,8 +411,8 @@ def _attention_call(mode, first_args, cache, positions, active, sinks, cfg, slid
                                combine_here=combine_here, compiled=not interpret)
     outs = pl.pallas_call(
         kernel, grid=(B, KV, splits), out_shape=out_shape, input_output_aliases=aliases,
-        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES), interpret=interpret,
-        name=f"decode_attention_{mode}_{'ring' if ring else 'full'}",
+        compiler_params=plgpu.CompilerParams(num_warps=RING_NUM_WARPS if ring else NUM_WARPS, num_stages=NUM_STAGES),
+        interpret=interpret, name=f"decode_attention_{mode}_{'ring' if ring else 'full'}",
     )(*args)
     if splits == 1:
         o, rest = outs[0], outs[1:]

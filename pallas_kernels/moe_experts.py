@@ -42,10 +42,11 @@ F32, BF16 = jnp.float32, jnp.bfloat16
 # (rows of I per program, K tile, warps, stages); 1024-value K tiles: 8.4 us vs 8.9 with 512 on the H200
 GATE_UP_BLOCK = (8, 1024, 4, 3)
 DOWN_BLOCK = (8, 512, 4, 1)  # (rows of H per program, ...); I = 512 is one K step for Flint
-# The same for BF16 experts (tune_weight_kernels.py --weights bf16, run BB: gate/up 12.16 -> 11.22 us, down 9.28 ->
-# 9.01 us).
+# The same for BF16 experts. Gate/up: tune_weight_kernels.py --weights bf16 (run BB) 12.16 -> 11.22 us, and in the
+# step (run BD) 12.5 -> 11.6 us. Down: the sweep's best (4, 512, 2, 1; 9.28 -> 9.01 us alone) was slower in the step
+# (7.5 -> 8.1 us, run BD), so it keeps the NVFP4 block.
 BF16_GATE_UP_BLOCK = (4, 2048, 4, 3)
-BF16_DOWN_BLOCK = (4, 512, 2, 1)
+BF16_DOWN_BLOCK = DOWN_BLOCK
 ROUTER_BLOCK = (2, 2048, 8, 1)  # 8 warps: 2.43 vs 2.53 us on the H200 (tune_weight_kernels)
 # The top-k once, in the router kernel's last program (router.py), instead of in every expert-kernel program.
 # Off: measured in the whole step on the H200 (run G, docs/BENCHMARKS.md) it cost more than it saved: the expert

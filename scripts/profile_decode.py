@@ -50,7 +50,8 @@ def _variants():
         "bk1024": [(G, "TABLE_BK", 1024), (ME, "GATE_UP_BLOCK", (8, 1024, 4, 3))],  # now the table for K < 4096
         "moe_bn16": [(ME, "GATE_UP_BLOCK", (16, 512, 4, 3)), (ME, "DOWN_BLOCK", (16, 512, 4, 1))],
         "attn_bk128": [(DA, "BLOCK_K", 128)],
-        "attn_warps8": [(DA, "NUM_WARPS", 8)],
+        "attn_warps8": [(DA, "NUM_WARPS", 8), (DA, "RING_NUM_WARPS", 8)],
+        "ring_warps4": [(DA, "RING_NUM_WARPS", 4)],  # the ring kernels as before run BD
         "attn_splits64": [(DA, "MAX_SPLITS", 64)],  # run O's variant; the default since (one wave at B = 1)
         "attn_stages4": [(DA, "NUM_STAGES", 4)],
         "hot_weights": [],  # no knobs: its parameters differ (PARAM_VARIANTS)
