@@ -149,7 +149,7 @@ def main(argv=None) -> int:
             act, logits[i], layer.mlp, cfg, x, block=b, interpret=interpret), wbytes(H, I) * (E * experts + 1)),
         "router": (router_grid(), lambda b: lambda layer, _: R.router_logits(
             x, layer.mlp.router, norm_weight=layer.mlp_norm, eps=cfg.rms_norm_eps, block=b,
-            interpret=interpret)[0], E * H * 2),
+            interpret=interpret)[0], layers[0].mlp.router.nbytes),
     }
     # The LM head: one 175 MB weight (NVFP4), larger than the L2 by itself, run once per "layer" of the program.
     # A different input per call: XLA merges identical calls (same weight, same input) into one.
