@@ -95,7 +95,7 @@ def run_layers(layers, caches, h: jax.Array, lengths: jax.Array, n_new: jax.Arra
     """Layers first .. first + len(layers) - 1 of the model (their params and caches) on h [B, T, H], row b's first
     n_new[b] tokens real, at positions lengths[b] + t (lengths: what the state held before this chunk). Returns
     (h, the layers' new caches as a tuple). model_step runs all of them; prefill_pipeline runs them in segments."""
-    B, T = h.shape[:2]
+    T = h.shape[1]
     t = jnp.arange(T, dtype=jnp.int32)[None, :]
     positions = lengths[:, None] + t
     valid = t < n_new[:, None]

@@ -58,7 +58,7 @@ BF16_TABLE: dict | None = {"long_k": (4, 4096, 8, False), "short_k": (4, 2048, 4
 def pick_blocks(spec: wt.WeightSpec, m: int, n_weights: int = 1, allow_dot: bool = True) -> Blocks:
     """Block sizes from a small table (tuned on the H200, docs/KERNELS.md), then shrunk so that N/BN >= 2 x SMs.
     allow_dot=False: FMA-path blocks only (kernels without a tensor-core path)."""
-    bk = TABLE_BK
+    bk, prefetch = TABLE_BK, TABLE_PREFETCH
     if allow_dot and TABLE_DOT_MIN_ROWS is not None and m >= TABLE_DOT_MIN_ROWS and n_weights == 1:
         bn, bk, warps, stages = DOT_BLOCK
         bn = max(16, wt.largest_pow2_divisor(spec.n, bn))
@@ -73,10 +73,9 @@ def pick_blocks(spec: wt.WeightSpec, m: int, n_weights: int = 1, allow_dot: bool
             bn, bk = 16, max(bk, 2048)
     elif spec.kind == "nvfp4":
         bn, warps, stages = 16, 4, 3
-    elif m <= 2 and n_weights == 1 and BF16_TABLE is not None:
+    elif m <= 2 and n_weights == 1 and BF16_TABLE is not None:  # its 4-row blocks are at min_bn: not shrunk below
         bn, bk, warps, prefetch = BF16_TABLE["long_k" if spec.k >= 4096 else "short_k"]
         stages = 3
-        return Blocks(wt.largest_pow2_divisor(spec.n, bn), wt.k_tile(spec, bk), warps, stages, prefetch=prefetch)
     else:
         bn, warps, stages = (16, 4, 3) if m <= 2 else (8, 4, 3)
     if n_weights > 1:
@@ -85,7 +84,7 @@ def pick_blocks(spec: wt.WeightSpec, m: int, n_weights: int = 1, allow_dot: bool
     while bn > min_bn and spec.n // bn < 2 * NUM_SMS:
         bn //= 2
     bn = wt.largest_pow2_divisor(spec.n, bn)
-    return Blocks(bn, wt.k_tile(spec, bk), warps, stages, prefetch=TABLE_PREFETCH)
+    return Blocks(bn, wt.k_tile(spec, bk), warps, stages, prefetch=prefetch)
 
 
 def resolve_blocks(spec, m, n_weights, block, allow_dot: bool = True) -> Blocks:
