@@ -46,14 +46,29 @@ def _params(num_warps: int = 4, num_stages: int = 3):
 
 # ---- kernel 1: input RMSNorm + QKV projection ----------------------------------------------------------------
 
-def _qkv_kernel(x_ref, nw_ref, *refs, spec, mp, blocks, eps, row_blocks, col0):
+def _qkv_kernel(x_ref, nw_ref, *refs, spec, mp, blocks, eps, row_blocks, col0, ptx):
     """Program j computes `blocks.bn` output columns of one of Q, K, V for all (padded) rows: the issue-4 weight
-    stream (weight_tiles.stream_rows) with the RMSNorm prologue, one `pl.when` branch per weight."""
+    stream (weight_tiles.stream_rows, or stream_rows_dot on the tensor cores) with the RMSNorm prologue, one
+    `pl.when` branch per weight."""
     out_ref = refs[-1]
     n_ops = spec.num_operands
     wrefs = [refs[i * n_ops:(i + 1) * n_ops] for i in range(3)]
     j = pl.program_id(0)
     bn, bk = blocks.bn, blocks.bk
+    if blocks.dot:
+        xs = wt.XSource(x_ref, "bf16", nw_ref, eps)
+        inv = xs.inv_rms_block(spec.k)
+        for which in range(3):
+            lo, hi = row_blocks[which]
+            w_refs = wrefs[which]
+
+            @pl.when((j >= lo) & (j < hi))
+            def _():
+                n0 = pl.multiple_of((j - lo) * bn, bn)
+                acc, = wt.stream_rows_dot(xs, [(spec, w_refs)], n0, bn, bk, inv, ptx=ptx)
+                c0 = pl.multiple_of(col0[which] + n0, bn)
+                out_ref[:, pl.ds(c0, bn)] = wt.apply_global_scale(acc.T, wt.dot_scale(spec, w_refs, 0)).astype(BF16)
+        return
     xs = wt.XSource(x_ref, spec.kind, nw_ref, eps)
     inv = [xs.inv_rms(r, spec.k) for r in range(mp)]
     for which in range(3):
@@ -81,22 +96,25 @@ def qkv_projection(h: jax.Array, attn_norm: jax.Array, attn, cfg: FlintConfig, i
         raise ValueError(f"qkv_projection: batch must be 1..8, got {B}")
     if H != cfg.hidden_size:
         raise ValueError(f"qkv_projection: h has {H} features, config says {cfg.hidden_size}")
-    specs, args = [], []
+    specs, weight_ops = [], []
     for name, w, n in (("q", attn.q, Hq * D), ("k", attn.k, KV * D), ("v", attn.v, KV * D)):
         spec, ops = wt.weight_operands(w)
         if (spec.n, spec.k) != (n, H):
             raise ValueError(f"qkv_projection: weight {name} has shape {(spec.n, spec.k)}, expected {(n, H)}")
         specs.append(spec)
-        args += ops
+        weight_ops.append(ops)
     if len({s.kind for s in specs}) != 1:
         raise ValueError(f"qkv_projection: q/k/v weights mix kinds {[s.kind for s in specs]}")
     total = (Hq + 2 * KV) * D
     mp = wt.pow2_rows(B)
-    blocks = G.resolve_blocks(wt.WeightSpec(specs[0].kind, 1, total, H), mp, 1, QKV_BLOCK, allow_dot=False)
+    blocks = G.resolve_blocks(wt.WeightSpec(specs[0].kind, 1, total, H), mp, 1, QKV_BLOCK)
     bn = min(blocks.bn, *(wt.largest_pow2_divisor(s.n, blocks.bn) for s in specs))
     blocks = blocks._replace(bn=bn)
     if blocks.dot:
-        raise ValueError("qkv_projection streams on the FMA path (Blocks.dot=False)")
+        mp = G.dot_rows(mp)
+        weight_ops = [wt.dot_operands(s, ops) for s, ops in zip(specs, weight_ops)]
+    args = [a for ops in weight_ops for a in ops]
+    x_kind = "bf16" if blocks.dot else specs[0].kind
     row_blocks, col0, start = [], [], 0
     for s in specs:
         row_blocks.append((start // bn, (start + s.n) // bn))
@@ -106,15 +124,15 @@ def qkv_projection(h: jax.Array, attn_norm: jax.Array, attn, cfg: FlintConfig, i
     if mp != B:
         x = jnp.pad(x, ((0, mp - B), (0, 0)))
     nw = attn_norm.astype(BF16)
-    if specs[0].kind == "nvfp4":
+    if x_kind == "nvfp4":
         nw = nw.reshape(H // wt.GROUP, wt.GROUP)
     kernel = functools.partial(_qkv_kernel, spec=specs[0], mp=mp, blocks=blocks, eps=float(cfg.rms_norm_eps),
-                               row_blocks=tuple(row_blocks), col0=tuple(col0))
+                               row_blocks=tuple(row_blocks), col0=tuple(col0), ptx=not interpret)
     out = pl.pallas_call(
         kernel, grid=(total // bn,), out_shape=jax.ShapeDtypeStruct((mp, total), BF16),
         compiler_params=_params(num_warps=blocks.num_warps, num_stages=blocks.num_stages), interpret=interpret,
         name="qkv_projection",
-    )(wt.x_operand(x, specs[0].kind), nw, *args)
+    )(wt.x_operand(x, x_kind), nw, *args)
     return out[:B].reshape(B, Hq + 2 * KV, D)
 
 

@@ -43,10 +43,17 @@ class Blocks(NamedTuple):
 TABLE_BK = 512  # K values per loop step
 TABLE_PREFETCH = False  # register double buffer of the next K step (weight_tiles.stream_rows)
 LARGE_N = 65536  # outputs from which an NVFP4 weight streams with the LM head's blocks
-# Rows from which the tensor-core path (Blocks.dot) streams the weight, with DOT_BLOCK; None: never (the FMA path
-# has the measured tables; the dot path at M = 8 inside the step is the profile variant "gemv_dot4").
-TABLE_DOT_MIN_ROWS = None
-DOT_BLOCK = (32, 512, 4, 3)  # (bn, bk, warps, stages)
+# Rows from which the tensor-core path (Blocks.dot: weight tiles decoded to BF16 as the MMA's left operand, x the
+# right one, rows padded to 8) streams a single weight (gemv, qkv_projection), with DOT_BLOCK; None: never.
+# Measured in the batch-8 step at 8K on the H200 (scripts/profile_decode.py, device time, docs/BENCHMARKS.md runs
+# BH-BI): the FMA path spends ~38 instructions per NVFP4 weight value at 8 rows (8 FMAs and 8 activation conversions
+# per value), the dot path ~9 (grouped_matmul's packed decode). NVFP4: QKV 30.3 -> 13.0 us and O projection
+# 20.0 -> 13.1 us per layer, step 7.013 -> 5.801 ms; BF16 step 9.178 -> 7.004 ms (16-row blocks). At 4 rows (padded
+# to 8) it was slower, 4.083 -> 5.087 ms (XLA pad and slice kernels; QKV 14.4 -> 29.7 us), so it starts at 8 rows.
+TABLE_DOT_MIN_ROWS = 8
+# (bn, bk, warps, stages): two warps of 16 weight rows each, 256 K values per step. Runs BH-BI, batch 8, device ms
+# per step: 5.801; (16, 256, 1) 6.118-6.123; (64, 256, 4) 6.052; (16, 128, 1) 6.435; (16, 512, 1) 6.651.
+DOT_BLOCK = (32, 256, 2, 3)
 # BF16 weights at M <= 2, one weight per kernel: (bn, bk, warps, prefetch) for K >= 4096 ("long_k": O projection,
 # dense down) and shorter K ("short_k": QKV); None: the generic rows below. Measured on the H200
 # (scripts/tune_weight_kernels.py --weights bf16, 24 distinct layers, docs/BENCHMARKS.md run BB): the whole row
@@ -87,6 +94,11 @@ def pick_blocks(spec: wt.WeightSpec, m: int, n_weights: int = 1, allow_dot: bool
     return Blocks(bn, wt.k_tile(spec, bk), warps, stages, prefetch=prefetch)
 
 
+def dot_rows(mp: int) -> int:
+    """Rows x is padded to on the tensor-core path: the MMA's N side (the weight tile is its M side) is at least 8."""
+    return max(8, mp)
+
+
 def resolve_blocks(spec, m, n_weights, block, allow_dot: bool = True) -> Blocks:
     """The blocks a kernel runs with: the table's (`pick_blocks`), or `block` fitted to the shape."""
     if block is None:
@@ -98,7 +110,7 @@ def resolve_blocks(spec, m, n_weights, block, allow_dot: bool = True) -> Blocks:
     return b
 
 
-def _gemv_kernel(*refs, spec, n_weights, mp, blocks, has_norm, has_res, eps, mode):
+def _gemv_kernel(*refs, spec, n_weights, mp, blocks, has_norm, has_res, eps, mode, ptx):
     it = iter(refs)
     x_ref = next(it)
     nw_ref = next(it) if has_norm else None
@@ -107,8 +119,8 @@ def _gemv_kernel(*refs, spec, n_weights, mp, blocks, has_norm, has_res, eps, mod
     o_ref = next(it)
     bn, bk = blocks.bn, blocks.bk
     n0 = pl.multiple_of(pl.program_id(0) * bn, bn)
-    xs = wt.XSource(x_ref, spec.kind, nw_ref, eps)
-    scales = [wt.global_scale(spec, r, 0) for r in wrefs]
+    xs = wt.XSource(x_ref, "bf16" if blocks.dot else spec.kind, nw_ref, eps)  # the dot path reads x as [M, K]
+    scales = [(wt.dot_scale if blocks.dot else wt.global_scale)(spec, r, 0) for r in wrefs]
 
     def epilogue(accs, res):
         ys = [wt.apply_global_scale(a, s) for a, s in zip(accs, scales)]
@@ -122,8 +134,8 @@ def _gemv_kernel(*refs, spec, n_weights, mp, blocks, has_norm, has_res, eps, mod
     weights = [(spec, r) for r in wrefs]
     if blocks.dot:
         inv = xs.inv_rms_block(spec.k) if has_norm else None
-        accs = wt.stream_rows_dot(xs, weights, n0, bn, bk, inv)
-        o_ref[...] = epilogue(accs, res_ref[...] if has_res else None)
+        accs = wt.stream_rows_dot(xs, weights, n0, bn, bk, inv, ptx=ptx)
+        o_ref[...] = epilogue([a.T for a in accs], res_ref[...] if has_res else None)
         return
     inv = [xs.inv_rms(r, spec.k) for r in range(mp)] if has_norm else None
     accs = wt.stream_rows([xs] * mp, list(range(mp)), weights, [0] * n_weights, n0, bn, bk, inv,
@@ -155,13 +167,14 @@ def _call(x, ws, *, norm_weight, eps, residual, interpret, mode, block):
     mp = wt.pow2_rows(m)
     blocks = resolve_blocks(spec, mp, len(ws), block)
     if blocks.dot:
-        mp = 16
-    operands = [wt.x_operand(wt.pad_rows(x.astype(BF16), mp), spec.kind)]
+        mp = dot_rows(mp)
+    x_kind = "bf16" if blocks.dot else spec.kind  # the layout x streams in (weight_tiles.x_shape)
+    operands = [wt.x_operand(wt.pad_rows(x.astype(BF16), mp), x_kind)]
     if norm_weight is not None:
         nw = norm_weight.astype(BF16)
-        operands.append(nw.reshape(k // wt.GROUP, wt.GROUP) if spec.kind == "nvfp4" else nw)
-    for _, ops in specs_ops:
-        operands.extend(ops)
+        operands.append(nw.reshape(k // wt.GROUP, wt.GROUP) if x_kind == "nvfp4" else nw)
+    for s, ops in specs_ops:
+        operands.extend(wt.dot_operands(s, ops) if blocks.dot else ops)
     in_specs = [pl.no_block_spec] * len(operands)
     if residual is not None:
         operands.append(wt.pad_rows(residual.astype(BF16), mp))
@@ -169,7 +182,7 @@ def _call(x, ws, *, norm_weight, eps, residual, interpret, mode, block):
     out_dtype = F32 if mode == "logits" else BF16
     kernel = functools.partial(_gemv_kernel, spec=spec, n_weights=len(ws), mp=mp, blocks=blocks,
                                has_norm=norm_weight is not None, has_res=residual is not None, eps=float(eps),
-                               mode=mode)
+                               mode=mode, ptx=not interpret)
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((mp, spec.n), out_dtype),

@@ -247,7 +247,7 @@ def stream_rows(xs: Sequence[XSource], rows: Sequence, weights: Sequence[tuple[W
         xr = tuple(tuple(xs[r].load(rows[r], t, bk, h) for h in halves) for r in used_rows)
         wr = []
         for wi in used_weights:
-            (spec, refs), e = weights[wi], experts[wi]
+            (_, refs), e = weights[wi], experts[wi]
             if nvfp4_kind:
                 codes, scales, _ = refs
                 g0 = t * g
@@ -306,40 +306,62 @@ def _dot_nt(a: jax.Array, b: jax.Array) -> jax.Array:
 
 
 def stream_rows_dot(xs: XSource, weights: Sequence[tuple[WeightSpec, Sequence]], n0, bn: int, bk: int,
-                    inv: jax.Array | None = None) -> list[jax.Array]:
-    """Tensor-core variant of stream_rows for a block of rows: `x[R, :] @ W_w[0, n0:n0+bn, :].T` as f32 [R, bn]
-    per weight, R = the rows of xs.ref (padded to 16 by the caller, the smallest MMA). Each K tile is decoded to
-    BF16 (exact: value = E2M1 x E4M3 has at most 5 significant bits) and multiplied on the tensor cores, so the FMA pipe
-    only decodes. Needs bn >= 16 and a K tile of at least 16 values per half."""
+                    inv: jax.Array | None = None, ptx: bool = False) -> list[jax.Array]:
+    """Tensor-core variant of stream_rows for a block of rows: `W_w[0, n0:n0+bn, :] @ x[R, :].T` as f32 [bn, R]
+    per weight (the weight tile is the dot's left operand, which the tensor cores read from registers), R = the rows
+    of xs.ref (padded to 16 by the caller, the smallest MMA). xs reads x as [R, K] (kind "bf16", whatever the
+    weight's kind). NVFP4 codes come as [E, N, K/2] (`dot_operands`); each K step of bk values (bk/2 code bytes)
+    is decoded to BF16 by grouped_matmul's packed decode (exact: E2M1 x E4M3 x 2^-8, at most 6 significant bits;
+    inline PTX when `ptx`), and the caller multiplies the accumulator by global_scale * 2^PACKED_EXP
+    (`dot_scale`). So the FMA pipe only decodes. Needs bn >= 16 and bk >= 32."""
+    from flint_jax.pallas_kernels import grouped_matmul as gm
     spec0 = weights[0][0]
     k = spec0.k
     rows = xs.ref.shape[0]
-    g = bk // 2 // GROUP
-    half_groups = k // 2 // GROUP
+    init = tuple(jnp.zeros((bn, rows), F32) for _ in weights)
+    if spec0.kind == "nvfp4":
+        bh = bk // 2  # code bytes (values per half) per step
+        steps = k // bk
 
-    def body(t, accs):
-        accs = list(accs)
-        if spec0.kind == "nvfp4":
-            xl = xs.tile(slice(None), t, bk, 0, inv).astype(BF16).reshape(rows, g * GROUP)
-            xh = xs.tile(slice(None), t, bk, 1, inv).astype(BF16).reshape(rows, g * GROUP)
-            g0 = t * g
-            for wi, (spec, (codes, scales, _)) in enumerate(weights):
-                cb = codes[0, pl.ds(n0, bn), pl.ds(g0, g), :]
-                s_lo = decode_scales(scales[0, pl.ds(n0, bn), pl.ds(g0, g)])
-                s_hi = decode_scales(scales[0, pl.ds(n0, bn), pl.ds(half_groups + g0, g)])
-                w_lo, w_hi = decode_codes(cb)
-                w_lo = (w_lo * s_lo[:, :, None]).astype(BF16).reshape(bn, g * GROUP)
-                w_hi = (w_hi * s_hi[:, :, None]).astype(BF16).reshape(bn, g * GROUP)
-                accs[wi] = accs[wi] + _dot_nt(xl, w_lo) + _dot_nt(xh, w_hi)
-        else:
+        def body(t, accs):
+            c0 = k_start(t, bh)
+            g0 = t * (bh // GROUP)
+            xl = xs.tile(slice(None), t, bh, 0, inv).astype(BF16)
+            xh = xs.tile(slice(None), t + steps, bh, 0, inv).astype(BF16)  # values K/2 + c0 ...
+            out = []
+            for (_, (codes, scales, _)), acc in zip(weights, accs):
+                cb = codes[0, pl.ds(n0, bn), pl.ds(c0, bh)]
+                s_lo = gm._packed_scale(scales[0, pl.ds(n0, bn), pl.ds(g0, bh // GROUP)], bh)
+                s_hi = gm._packed_scale(scales[0, pl.ds(n0, bn), pl.ds(k // 2 // GROUP + g0, bh // GROUP)], bh)
+                w_lo, w_hi = gm._decode_packed(cb, s_lo, s_hi, ptx=ptx)
+                out.append(acc + gm._dot_t(w_lo, xl) + gm._dot_t(w_hi, xh))
+            return tuple(out)
+    else:
+        steps = k // bk
+
+        def body(t, accs):
             xt = xs.tile(slice(None), t, bk, 0, inv).astype(BF16)
             k0 = k_start(t, bk)
-            for wi, (spec, (w,)) in enumerate(weights):
-                accs[wi] = accs[wi] + _dot_nt(xt, w[0, pl.ds(n0, bn), pl.ds(k0, bk)])
-        return tuple(accs)
+            return tuple(acc + _dot_nt(w[0, pl.ds(n0, bn), pl.ds(k0, bk)], xt)
+                         for (_, (w,)), acc in zip(weights, accs))
+    return list(k_loop(steps, body, init))
 
-    init = tuple(jnp.zeros((rows, bn), F32) for _ in weights)
-    return list(k_loop(k // bk, body, init))
+
+def dot_operands(spec: WeightSpec, ops: Sequence) -> tuple:
+    """A weight's operands for stream_rows_dot: NVFP4 codes as [E, N, K/2] (a free reshape)."""
+    if spec.kind != "nvfp4":
+        return tuple(ops)
+    codes, scales, gs = ops
+    return (codes.reshape(spec.experts, spec.n, spec.k // 2), scales, gs)
+
+
+def dot_scale(spec: WeightSpec, refs: Sequence, e) -> jax.Array | None:
+    """What stream_rows_dot's accumulator is multiplied by: NVFP4 global scale x 2^PACKED_EXP (the packed decode's
+    weights are w x 2^-8); None for BF16."""
+    if spec.kind != "nvfp4":
+        return None
+    from flint_jax.pallas_kernels import grouped_matmul as gm
+    return refs[2][e] * 2.0 ** gm.PACKED_EXP
 
 
 def global_scale(spec: WeightSpec, refs: Sequence, e) -> jax.Array | float:

@@ -65,8 +65,12 @@ def _variants():
         # BF16 weights with the blocks from before run BB's sweep
         "bf16_generic_tables": [(G, "BF16_TABLE", None), (ME, "BF16_GATE_UP_BLOCK", (8, 1024, 4, 3)),
                                 (ME, "BF16_DOWN_BLOCK", (8, 512, 4, 1))],
-        "gemv_dot4": [(G, "TABLE_DOT_MIN_ROWS", 4)],  # tensor-core blocks for >= 4 rows (O projection, dense)
-        "gemv_dot4_bn16": [(G, "TABLE_DOT_MIN_ROWS", 4), (G, "DOT_BLOCK", (16, 512, 4, 3))],
+        "fma_rows": [(G, "TABLE_DOT_MIN_ROWS", None)],  # every row count on the FMA path (before run BG)
+        "dot_rows4": [(G, "TABLE_DOT_MIN_ROWS", 4)],  # run BH: slower at batch 4 (rows padded to 8)
+        "dot_bk512": [(G, "DOT_BLOCK", (16, 512, 1, 3))],  # run BH: QKV 30 us per layer at batch 8 (19.5 at 256)
+        "dot_bk128": [(G, "DOT_BLOCK", (16, 128, 1, 3))],
+        "dot_bn16_w1": [(G, "DOT_BLOCK", (16, 256, 1, 3))],
+        "dot_bn64_w4": [(G, "DOT_BLOCK", (64, 256, 4, 3))],
         "moe_persistent": [(ME, "PERSISTENT", True)],  # router, gate/up, down in one launch (run H: slower)
         "persistent_1_per_sm": [(ME, "PERSISTENT", True), (GS, "PROGRAMS_PER_SM", 1)],
         "poll_atomic": [(ME, "PERSISTENT", True), (GS, "POLL", "atomic")],

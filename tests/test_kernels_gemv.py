@@ -66,7 +66,8 @@ def test_gemv_plain_and_blocks(kind):
 
 @pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
 def test_gemv_tensor_core_path(kind):
-    """block=(..., dot=True): rows padded to 16, tiles decoded to BF16 and multiplied with a dot; all epilogues."""
+    """block=(..., dot=True): rows padded to 8, tiles decoded to BF16 (NVFP4: grouped_matmul's packed decode) and
+    multiplied on the tensor cores with the weight tile as the left operand; all epilogues."""
     n, k, m = 256, 512, 8
     x, nw, res = inputs(40, m, n, k)
     w = make_weight(jax.random.PRNGKey(41), n, k, kind)
@@ -100,7 +101,7 @@ def test_block_table_for_flint_shapes(monkeypatch):
     spec = lambda n, k: wt.WeightSpec("nvfp4", 1, n, k)  # noqa: E731
     assert G.pick_blocks(spec(2048, 4096), 1)[:3] == (8, 4096, 8)  # O projection
     assert G.pick_blocks(spec(151552, 2048), 1)[:3] == (16, 2048, 4)  # LM head
-    assert G.pick_blocks(spec(151552, 2048), 8)[:3] == (16, 512, 4)  # LM head, 8 rows: the generic table
+    assert G.pick_blocks(spec(151552, 2048), 8) == G.Blocks(*G.DOT_BLOCK, dot=True)  # 8 rows: tensor cores
     monkeypatch.setattr(G, "LARGE_N", 256)
     monkeypatch.setattr(G, "NUM_SMS", 4)
     assert G.pick_blocks(spec(384, 256), 1)[:2] == (16, 256)
@@ -128,19 +129,20 @@ def test_bf16_table_rows(k):
 
 
 @pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
-def test_table_dot_rows_switch_to_tensor_cores(kind, monkeypatch):
-    """TABLE_DOT_MIN_ROWS (the profile variant gemv_dot4): from 4 rows on, the table's blocks take the tensor-core
-    path; fewer rows and two-weight calls keep the FMA path. Results as the reference either way."""
-    monkeypatch.setattr(G, "TABLE_DOT_MIN_ROWS", 4)
+def test_table_dot_rows_switch_to_tensor_cores(kind):
+    """From TABLE_DOT_MIN_ROWS (8) rows on, one-weight calls take the tensor-core path (DOT_BLOCK; run BI); fewer
+    rows, two-weight calls and allow_dot=False keep the FMA path. 5 rows are padded to 8 (the MMA's N side).
+    Results as the reference either way."""
     spec = wt.WeightSpec(kind, 1, 2048, 4096)
-    assert G.pick_blocks(spec, 8).dot and G.pick_blocks(spec, 4).dot
-    assert not G.pick_blocks(spec, 2).dot and not G.pick_blocks(spec, 8, n_weights=2).dot
-    assert not G.pick_blocks(spec, 8, allow_dot=False).dot  # qkv_projection has no tensor-core path
+    assert G.pick_blocks(spec, 8) == G.Blocks(*G.DOT_BLOCK, dot=True)
+    assert not G.pick_blocks(spec, 4).dot and not G.pick_blocks(spec, 8, n_weights=2).dot
+    assert not G.pick_blocks(spec, 8, allow_dot=False).dot
     n, k = 256, 512
-    x, nw, res = inputs(41, 5, n, k)
-    w = make_weight(jax.random.PRNGKey(8), n, k, kind)
-    out = G.gemv(x, w, norm_weight=nw, residual=res, interpret=INTERPRET)
-    assert_residual_close(out, G.ref_gemv(x, w, norm_weight=nw, residual=res), res)
+    for m in (5, 8):
+        x, nw, res = inputs(41 + m, m, n, k)
+        w = make_weight(jax.random.PRNGKey(8), n, k, kind)
+        out = G.gemv(x, w, norm_weight=nw, residual=res, interpret=INTERPRET)
+        assert_residual_close(out, G.ref_gemv(x, w, norm_weight=nw, residual=res), res)
 
 
 @pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
