@@ -55,22 +55,12 @@ def _qkv_kernel(x_ref, nw_ref, *refs, spec, mp, blocks, eps, row_blocks, col0, p
     wrefs = [refs[i * n_ops:(i + 1) * n_ops] for i in range(3)]
     j = pl.program_id(0)
     bn, bk = blocks.bn, blocks.bk
-    if blocks.dot:
+    if blocks.dot:  # x as [M, K], all rows' norms at once
         xs = wt.XSource(x_ref, "bf16", nw_ref, eps)
         inv = xs.inv_rms_block(spec.k)
-        for which in range(3):
-            lo, hi = row_blocks[which]
-            w_refs = wrefs[which]
-
-            @pl.when((j >= lo) & (j < hi))
-            def _():
-                n0 = pl.multiple_of((j - lo) * bn, bn)
-                acc, = wt.stream_rows_dot(xs, [(spec, w_refs)], n0, bn, bk, inv, ptx=ptx)
-                c0 = pl.multiple_of(col0[which] + n0, bn)
-                out_ref[:, pl.ds(c0, bn)] = wt.apply_global_scale(acc.T, wt.dot_scale(spec, w_refs, 0)).astype(BF16)
-        return
-    xs = wt.XSource(x_ref, spec.kind, nw_ref, eps)
-    inv = [xs.inv_rms(r, spec.k) for r in range(mp)]
+    else:
+        xs = wt.XSource(x_ref, spec.kind, nw_ref, eps)
+        inv = [xs.inv_rms(r, spec.k) for r in range(mp)]
     for which in range(3):
         lo, hi = row_blocks[which]
         w_refs = wrefs[which]
@@ -79,10 +69,14 @@ def _qkv_kernel(x_ref, nw_ref, *refs, spec, mp, blocks, eps, row_blocks, col0, p
         @pl.when((j >= lo) & (j < hi))
         def _():
             n0 = pl.multiple_of((j - lo) * bn, bn)
+            c0 = pl.multiple_of(col0[which] + n0, bn)
+            if blocks.dot:
+                acc, = wt.stream_rows_dot(xs, [(spec, w_refs)], n0, bn, bk, inv, ptx=ptx)
+                out_ref[:, pl.ds(c0, bn)] = wt.apply_global_scale(acc.T, wt.dot_scale(spec, w_refs, 0)).astype(BF16)
+                return
             accs = wt.stream_rows([xs] * mp, list(range(mp)), [(spec, w_refs)], [0], n0, bn, bk, inv,
                                   elementwise=blocks.elementwise, prefetch=blocks.prefetch)
             gs = wt.global_scale(spec, w_refs, 0)
-            c0 = pl.multiple_of(col0[which] + n0, bn)
             for r in range(mp):
                 out_ref[r, pl.ds(c0, bn)] = wt.apply_global_scale(accs[r], gs).astype(BF16)
 

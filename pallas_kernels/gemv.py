@@ -47,7 +47,7 @@ LARGE_N = 65536  # outputs from which an NVFP4 weight streams with the LM head's
 # right one, rows padded to 8) streams a single weight (gemv, qkv_projection), with DOT_BLOCK; None: never.
 # Measured in the batch-8 step at 8K on the H200 (scripts/profile_decode.py, device time, docs/BENCHMARKS.md runs
 # BH-BI): the FMA path spends ~38 instructions per NVFP4 weight value at 8 rows (8 FMAs and 8 activation conversions
-# per value), the dot path ~9 (grouped_matmul's packed decode). NVFP4: QKV 30.3 -> 13.0 us and O projection
+# per value), the dot path ~9 (weight_tiles.decode_packed). NVFP4: QKV 30.3 -> 13.0 us and O projection
 # 20.0 -> 13.1 us per layer, step 7.013 -> 5.801 ms; BF16 step 9.178 -> 7.004 ms (16-row blocks). At 4 rows (padded
 # to 8) it was slower, 4.083 -> 5.087 ms (XLA pad and slice kernels; QKV 14.4 -> 29.7 us), so it starts at 8 rows.
 TABLE_DOT_MIN_ROWS = 8

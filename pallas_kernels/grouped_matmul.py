@@ -28,7 +28,7 @@ decode_scales turn code and scale bytes into f32 values whose product is the wei
 significant bits), so the tensor-core dot sees the same BF16 weights as the reference. A K step of BK bytes of codes covers values
 [c0, c0 + BK) (low nibbles) and [K/2 + c0, K/2 + c0 + BK) (high nibbles): two dots against two x slices.
 That is `Block.decode = "int"`; the default "packed" decode (inline PTX on four code bytes at once, about a third
-of the instructions; see _decode_packed) gives the same BF16 weights times 2^-8, undone in the epilogue. Interpret
+of the instructions; see weight_tiles.decode_packed) gives the same BF16 weights times 2^-8, undone in the epilogue. Interpret
 mode cannot run PTX and computes the packed decode's values with array ops instead.
 
 Numerics: FP32 accumulation in tiles of K; the reference sums the same exact products in another order, so a BF16
@@ -48,6 +48,7 @@ from jax.experimental.pallas import triton as plt
 from flint_jax import layers as L
 from flint_jax import nvfp4
 from flint_jax.nvfp4 import NVFP4Weight
+from flint_jax.pallas_kernels import weight_tiles as wt
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 GROUP = nvfp4.BLOCK  # values per E4M3 scale
@@ -65,7 +66,7 @@ class Block:
     num_warps: int
     num_stages: int
     weights_lhs: bool = False
-    decode: str = "packed"  # NVFP4 only: "packed" (PTX on 4 code bytes at once, see _decode_packed) or "int"
+    decode: str = "packed"  # NVFP4 only: "packed" (PTX on 4 code bytes at once, weight_tiles.decode_packed) or "int"
 
 
 # Starting points for the H200 (Hopper wgmma through Triton; scripts/bench_prefill.py sweeps alternatives). 128-row
@@ -242,58 +243,6 @@ def _dequant(codes: jax.Array, sb_lo: jax.Array, sb_hi: jax.Array) -> tuple[jax.
     return scaled(lo, sb_lo), scaled(hi, sb_hi)
 
 
-# ---- packed NVFP4 decode ---------------------------------------------------------------------------------------
-# The "int" decode as runs Z-AH timed it spent ~10 integer and conversion instructions per weight value on the CUDA
-# cores, as many cycles as the tensor cores spend on the value's 256 products (run Z: the NVFP4 grouped GEMMs take
-# 73 ms of an 8K prefill against 42 ms for BF16 weights). (It now shares nvfp4.decode_codes, which builds both
-# nibbles of a byte in one word: the same values, not timed since.) The packed decode works on 32-bit registers holding two BF16 lanes:
-# per 4 code bytes (8 values) two byte permutes spread the bytes over 16-bit lanes; per lane pair, shifts and masks
-# place a nibble's magnitude bits (e e m) in the BF16 exponent/mantissa bits 8..6 and its sign in bit 15, which is
-# exactly E2M1(c) * 2^-126 (the code 0.5 is a BF16 subnormal, still exact); one BF16x2 FMA multiplies by the scale
-# E4M3 * 2^118 (exact in BF16: 4 significant bits, at most 2^126.8). The product is w * 2^-8, exact in BF16 (at most 6
-# significant bits, between 2^-18 and 2^3.4 in magnitude), so the tensor cores see the reference's BF16 weights
-# times 2^-8, and the epilogue multiplies the FP32 accumulator by global_scale * 2^8: the same FP32 products and sums
-# as the "int" decode, up to an exact power of two. About 3.3 instructions per value instead of ~10.
-PACKED_EXP = 8  # the packed decode yields w * 2^-PACKED_EXP
-
-
-def _packed_ptx(high: bool) -> str:
-    """PTX for one nibble of 4 code bytes (pack=4, as Triton packs the operands): $0, $1 the 4 BF16 results (two
-    lanes per register), $2 the 4 code bytes (byte i = element i), $3, $4 their 4 BF16 scales. prmt 0x4140 puts
-    byte 0 in lane 0 and byte 1 in lane 1 (zero-extended), 0x4342 bytes 2 and 3. Low nibble: bits 2..0 -> 8..6
-    (<< 6) and bit 3 -> 15 (<< 12); high nibble: bits 6..4 -> 8..6 (<< 2) and bit 7 -> 15 (<< 8); the masks drop
-    what a shift carries into the other lane. (One asm per nibble: jax's lowering of elementwise_inline_asm returns
-    one result.)"""
-    mag, sign = (2, 8) if high else (6, 12)
-    lanes = ""
-    for out, sel, scale in (("$0", "0x4140", "$3"), ("$1", "0x4342", "$4")):
-        lanes += (f"prmt.b32 t, $2, z, {sel};\n"
-                  f"shl.b32 a, t, {mag}; and.b32 a, a, 0x01C001C0; shl.b32 b, t, {sign}; and.b32 b, b, 0x80008000;\n"
-                  f"or.b32 a, a, b; fma.rn.bf16x2 {out}, a, {scale}, n;\n")
-    return "{\n.reg .b32 t, a, b, z, n;\nmov.b32 z, 0;\nmov.b32 n, 0x80008000;\n" + lanes + "}"
-
-
-def _packed_scale(scale_bytes: jax.Array, bk: int) -> jax.Array:
-    """E4M3 scale bytes [bn, bk/16] -> BF16 E4M3 * 2^118 broadcast over each group's 16 values -> [bn, bk]."""
-    s = (nvfp4.decode_scales(scale_bytes) * (2.0 ** 104)).astype(BF16)  # E4M3 * 2^14 * 2^104, exact
-    bn = s.shape[0]
-    return jnp.broadcast_to(s[:, :, None], (bn, bk // GROUP, GROUP)).reshape(bn, bk)
-
-
-def _decode_packed(codes: jax.Array, s_lo: jax.Array, s_hi: jax.Array, *, ptx: bool):
-    """codes uint8 [bn, bk], scales [bn, bk] from _packed_scale -> (low, high nibbles' weights) * 2^-PACKED_EXP,
-    BF16 [bn, bk] each. ptx=False computes the same values with array ops (interpret mode, where inline PTX cannot
-    run): E2M1(c) * (scale * 2^-126), exact in FP32 and in BF16."""
-    if ptx:
-        out = jax.ShapeDtypeStruct(codes.shape, BF16)
-        return tuple(plt.elementwise_inline_asm(_packed_ptx(high), args=[codes, s], constraints="=r,=r,r,r,r",
-                                                pack=4, result_shape_dtypes=[out])[0]
-                     for high, s in ((False, s_lo), (True, s_hi)))
-    lo, hi = nvfp4.decode_codes(codes)  # E2M1 * 2^-14, FP32
-    return ((lo * (s_lo.astype(F32) * 2.0 ** -112)).astype(BF16),
-            (hi * (s_hi.astype(F32) * 2.0 ** -112)).astype(BF16))
-
-
 def _dot_t(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [m, k] @ w[n, k].T with an FP32 result."""
     return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=F32)
@@ -345,7 +294,7 @@ def _kernel(e_ref, r0_ref, lo_ref, hi_ref, x_ref, *refs, kind, n_w, mode, blk, k
                     sb_lo = scales[e, cols, pl.ds(g0, bk // GROUP)]
                     sb_hi = scales[e, cols, pl.ds(hg + g0, bk // GROUP)]
                     if packed:
-                        w_lo, w_hi = _decode_packed(cb, _packed_scale(sb_lo, bk), _packed_scale(sb_hi, bk),
+                        w_lo, w_hi = wt.decode_packed(cb, wt.packed_scale(sb_lo, bk), wt.packed_scale(sb_hi, bk),
                                                     ptx=not interpret)
                     else:
                         w_lo, w_hi = _dequant(cb, sb_lo, sb_hi)
@@ -365,7 +314,7 @@ def _kernel(e_ref, r0_ref, lo_ref, hi_ref, x_ref, *refs, kind, n_w, mode, blk, k
             if lhs:
                 acc = acc.T
             if kind == "nvfp4":  # (packed: the weights were w * 2^-8, an exact power of two to undo)
-                acc = acc * (wop[2][e] * 2.0 ** PACKED_EXP if packed else wop[2][e])
+                acc = acc * (wop[2][e] * 2.0 ** wt.PACKED_EXP if packed else wop[2][e])
             ys.append(acc.astype(BF16))
         out = ys[0] if mode == "linear" else L.swiglu(ys[0], ys[1])
         r = row0 + jnp.arange(bm, dtype=jnp.int32)

@@ -1,5 +1,7 @@
 """Streaming a linear weight through a Pallas (Triton-lowered) GPU kernel: operand layout, in-register NVFP4 decode,
-and the K loop that every weight-streaming kernel of issue 4 shares (gemv.py, router.py, moe_experts.py).
+and the K loop that every weight-streaming kernel of issue 4 shares (gemv.py, router.py, moe_experts.py); for 5-8
+rows the tensor-core loop (`stream_rows_dot`) with the packed NVFP4 -> BF16 decode it shares with the prefill's
+grouped GEMMs (`decode_packed`).
 
 Operands (`weight_operands`), always with a leading expert axis (1 for a plain linear):
 
@@ -32,6 +34,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 
 from flint_jax import nvfp4
 from flint_jax.nvfp4 import NVFP4Weight, decode_codes, decode_scales
@@ -305,16 +308,67 @@ def _dot_nt(a: jax.Array, b: jax.Array) -> jax.Array:
     return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=F32)
 
 
+# ---- packed NVFP4 decode to BF16 (tensor-core paths: grouped_matmul, stream_rows_dot) ---------------------------------------------------------------------------------------
+# The "int" decode as runs Z-AH timed it spent ~10 integer and conversion instructions per weight value on the CUDA
+# cores, as many cycles as the tensor cores spend on the value's 256 products (run Z: the NVFP4 grouped GEMMs take
+# 73 ms of an 8K prefill against 42 ms for BF16 weights). (It now shares nvfp4.decode_codes, which builds both
+# nibbles of a byte in one word: the same values, not timed since.) The packed decode works on 32-bit registers holding two BF16 lanes:
+# per 4 code bytes (8 values) two byte permutes spread the bytes over 16-bit lanes; per lane pair, shifts and masks
+# place a nibble's magnitude bits (e e m) in the BF16 exponent/mantissa bits 8..6 and its sign in bit 15, which is
+# exactly E2M1(c) * 2^-126 (the code 0.5 is a BF16 subnormal, still exact); one BF16x2 FMA multiplies by the scale
+# E4M3 * 2^118 (exact in BF16: 4 significant bits, at most 2^126.8). The product is w * 2^-8, exact in BF16 (at most 6
+# significant bits, between 2^-18 and 2^3.4 in magnitude), so the tensor cores see the reference's BF16 weights
+# times 2^-8, and the epilogue multiplies the FP32 accumulator by global_scale * 2^8: the same FP32 products and sums
+# as the "int" decode, up to an exact power of two. About 3.3 instructions per value instead of ~10.
+PACKED_EXP = 8  # the packed decode yields w * 2^-PACKED_EXP
+
+
+def _packed_ptx(high: bool) -> str:
+    """PTX for one nibble of 4 code bytes (pack=4, as Triton packs the operands): $0, $1 the 4 BF16 results (two
+    lanes per register), $2 the 4 code bytes (byte i = element i), $3, $4 their 4 BF16 scales. prmt 0x4140 puts
+    byte 0 in lane 0 and byte 1 in lane 1 (zero-extended), 0x4342 bytes 2 and 3. Low nibble: bits 2..0 -> 8..6
+    (<< 6) and bit 3 -> 15 (<< 12); high nibble: bits 6..4 -> 8..6 (<< 2) and bit 7 -> 15 (<< 8); the masks drop
+    what a shift carries into the other lane. (One asm per nibble: jax's lowering of elementwise_inline_asm returns
+    one result.)"""
+    mag, sign = (2, 8) if high else (6, 12)
+    lanes = ""
+    for out, sel, scale in (("$0", "0x4140", "$3"), ("$1", "0x4342", "$4")):
+        lanes += (f"prmt.b32 t, $2, z, {sel};\n"
+                  f"shl.b32 a, t, {mag}; and.b32 a, a, 0x01C001C0; shl.b32 b, t, {sign}; and.b32 b, b, 0x80008000;\n"
+                  f"or.b32 a, a, b; fma.rn.bf16x2 {out}, a, {scale}, n;\n")
+    return "{\n.reg .b32 t, a, b, z, n;\nmov.b32 z, 0;\nmov.b32 n, 0x80008000;\n" + lanes + "}"
+
+
+def packed_scale(scale_bytes: jax.Array, bk: int) -> jax.Array:
+    """E4M3 scale bytes [bn, bk/16] -> BF16 E4M3 * 2^118 broadcast over each group's 16 values -> [bn, bk]."""
+    s = (decode_scales(scale_bytes) * (2.0 ** 104)).astype(BF16)  # E4M3 * 2^14 * 2^104, exact
+    bn = s.shape[0]
+    return jnp.broadcast_to(s[:, :, None], (bn, bk // GROUP, GROUP)).reshape(bn, bk)
+
+
+def decode_packed(codes: jax.Array, s_lo: jax.Array, s_hi: jax.Array, *, ptx: bool):
+    """codes uint8 [bn, bk], scales [bn, bk] from packed_scale -> (low, high nibbles' weights) * 2^-PACKED_EXP,
+    BF16 [bn, bk] each. ptx=False computes the same values with array ops (interpret mode, where inline PTX cannot
+    run): E2M1(c) * (scale * 2^-126), exact in FP32 and in BF16."""
+    if ptx:
+        out = jax.ShapeDtypeStruct(codes.shape, BF16)
+        return tuple(plt.elementwise_inline_asm(_packed_ptx(high), args=[codes, s], constraints="=r,=r,r,r,r",
+                                                pack=4, result_shape_dtypes=[out])[0]
+                     for high, s in ((False, s_lo), (True, s_hi)))
+    lo, hi = decode_codes(codes)  # E2M1 * 2^-14, FP32
+    return ((lo * (s_lo.astype(F32) * 2.0 ** -112)).astype(BF16),
+            (hi * (s_hi.astype(F32) * 2.0 ** -112)).astype(BF16))
+
+
 def stream_rows_dot(xs: XSource, weights: Sequence[tuple[WeightSpec, Sequence]], n0, bn: int, bk: int,
                     inv: jax.Array | None = None, ptx: bool = False) -> list[jax.Array]:
     """Tensor-core variant of stream_rows for a block of rows: `W_w[0, n0:n0+bn, :] @ x[R, :].T` as f32 [bn, R]
     per weight (the weight tile is the dot's left operand, which the tensor cores read from registers), R = the rows
-    of xs.ref (padded to 16 by the caller, the smallest MMA). xs reads x as [R, K] (kind "bf16", whatever the
+    of xs.ref (padded to at least 8 by the caller: gemv.dot_rows). xs reads x as [R, K] (kind "bf16", whatever the
     weight's kind). NVFP4 codes come as [E, N, K/2] (`dot_operands`); each K step of bk values (bk/2 code bytes)
-    is decoded to BF16 by grouped_matmul's packed decode (exact: E2M1 x E4M3 x 2^-8, at most 6 significant bits;
+    is decoded to BF16 by the packed decode above (exact: E2M1 x E4M3 x 2^-8, at most 6 significant bits;
     inline PTX when `ptx`), and the caller multiplies the accumulator by global_scale * 2^PACKED_EXP
     (`dot_scale`). So the FMA pipe only decodes. Needs bn >= 16 and bk >= 32."""
-    from flint_jax.pallas_kernels import grouped_matmul as gm
     spec0 = weights[0][0]
     k = spec0.k
     rows = xs.ref.shape[0]
@@ -331,10 +385,10 @@ def stream_rows_dot(xs: XSource, weights: Sequence[tuple[WeightSpec, Sequence]],
             out = []
             for (_, (codes, scales, _)), acc in zip(weights, accs):
                 cb = codes[0, pl.ds(n0, bn), pl.ds(c0, bh)]
-                s_lo = gm._packed_scale(scales[0, pl.ds(n0, bn), pl.ds(g0, bh // GROUP)], bh)
-                s_hi = gm._packed_scale(scales[0, pl.ds(n0, bn), pl.ds(k // 2 // GROUP + g0, bh // GROUP)], bh)
-                w_lo, w_hi = gm._decode_packed(cb, s_lo, s_hi, ptx=ptx)
-                out.append(acc + gm._dot_t(w_lo, xl) + gm._dot_t(w_hi, xh))
+                s_lo = packed_scale(scales[0, pl.ds(n0, bn), pl.ds(g0, bh // GROUP)], bh)
+                s_hi = packed_scale(scales[0, pl.ds(n0, bn), pl.ds(k // 2 // GROUP + g0, bh // GROUP)], bh)
+                w_lo, w_hi = decode_packed(cb, s_lo, s_hi, ptx=ptx)
+                out.append(acc + _dot_nt(w_lo, xl) + _dot_nt(w_hi, xh))
             return tuple(out)
     else:
         steps = k // bk
@@ -360,8 +414,7 @@ def dot_scale(spec: WeightSpec, refs: Sequence, e) -> jax.Array | None:
     weights are w x 2^-8); None for BF16."""
     if spec.kind != "nvfp4":
         return None
-    from flint_jax.pallas_kernels import grouped_matmul as gm
-    return refs[2][e] * 2.0 ** gm.PACKED_EXP
+    return refs[2][e] * 2.0 ** PACKED_EXP
 
 
 def global_scale(spec: WeightSpec, refs: Sequence, e) -> jax.Array | float:

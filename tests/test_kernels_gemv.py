@@ -66,7 +66,7 @@ def test_gemv_plain_and_blocks(kind):
 
 @pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
 def test_gemv_tensor_core_path(kind):
-    """block=(..., dot=True): rows padded to 8, tiles decoded to BF16 (NVFP4: grouped_matmul's packed decode) and
+    """block=(..., dot=True): rows padded to 8, tiles decoded to BF16 (NVFP4: weight_tiles.decode_packed) and
     multiplied on the tensor cores with the weight tile as the left operand; all epilogues."""
     n, k, m = 256, 512, 8
     x, nw, res = inputs(40, m, n, k)
