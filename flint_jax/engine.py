@@ -90,7 +90,8 @@ def decode_steps(params: Params, state: KVState, tokens: jax.Array, active: jax.
                  top_p: jax.Array, cfg: FlintConfig, impl: str = "xla", num_steps: int = 1):
     """`num_steps` decode steps in one program; each step's sampled token is the next step's input.
 
-    tokens [B]: each row's last token (not yet in the state). active [B] bool. limits [B] int: row b runs a step
+    tokens [B]: each row's last token (not yet in the state; -1, as a row that did not run returns, reads as 0).
+    active [B] bool. limits [B] int: row b runs a step
     only while lengths[b] < limits[b] (clamped to the state's max_len), so it never writes at or past limits[b];
     after that it is left untouched like an inactive row. keys [B]: each request's own key; generated [B]: tokens
     it has produced so far, so step i samples with `token_keys(keys, generated + i)`, as one step per call would.
@@ -100,6 +101,7 @@ def decode_steps(params: Params, state: KVState, tokens: jax.Array, active: jax.
     a CUDA graph, and the whole burst then costs one dispatch."""
     if state.max_len:
         limits = jnp.minimum(limits, state.max_len)
+    tokens = jnp.maximum(tokens, 0)
     out = []
     for i in range(num_steps):
         with jax.named_scope(f"step{i}"):
@@ -130,14 +132,23 @@ class Engine:
     steps_per_dispatch: decode steps per device call (one compiled program); tokens then stream in bursts of this
     many, and a request's tokens are the same for any value (see `decode_steps`). More steps amortise the host's
     dispatch cost; a request that stops mid-burst wastes the rest of that burst's compute on its row.
+    overlap_dispatch: dispatch each burst before the host reads the previous one's tokens (the next burst's inputs
+    are the last burst's sampled tokens, still on the device), so the host's dispatch runs while the device works
+    instead of after it; a request's tokens are the same either way. A request that stops costs its row the burst
+    already in flight, whose tokens for it are discarded. None (default): on when steps_per_dispatch > 1. Measured
+    on one H200 (Flint, NVFP4, Pallas, batch 1, 8K prompt; scripts/bench_engine.py, docs/BENCHMARKS.md run BK): 4
+    steps per dispatch 3.81 -> 2.61 ms/token with it; 1 step 6.03 -> 7.70 ms/token, since a dispatch that donates
+    the state waits for the step still using it, so at one step per call the host's work cannot overlap anyway.
     tokenizer / chat_template: needed only by `chat` (a FlintTokenizer; a GGUF's template, else the project's).
     prefill_cuts: layer indices where each prefill chunk is cut into separately dispatched programs, so the host's
     dispatch overlaps the device's work (flint_jax.prefill_pipeline; () runs each chunk as one program).
     """
 
     def __init__(self, cfg: FlintConfig, params: Params, *, max_batch: int = MAX_BATCH, max_len: int = 2048,
-                 chunk_size: int = 256, impl: str = "xla", steps_per_dispatch: int = 1, tokenizer=None,
-                 chat_template: str | None = None, prefill_cuts: Sequence[int] = prefill_pipeline.DEFAULT_CUTS):
+                 chunk_size: int = 256, impl: str = "xla", steps_per_dispatch: int = 1,
+                 overlap_dispatch: bool | None = None,
+                 tokenizer=None, chat_template: str | None = None,
+                 prefill_cuts: Sequence[int] = prefill_pipeline.DEFAULT_CUTS):
         if not 1 <= max_batch <= MAX_BATCH:
             raise ValueError(f"max_batch must be in [1, {MAX_BATCH}] (the low-latency path serves at most "
                              f"{MAX_BATCH} concurrent requests), got {max_batch}")
@@ -151,6 +162,7 @@ class Engine:
         self.cfg, self.params = cfg, params
         self.max_batch, self.max_len, self.chunk_size, self.impl = max_batch, max_len, chunk_size, impl
         self.steps_per_dispatch = int(steps_per_dispatch)
+        self.overlap_dispatch = self.steps_per_dispatch > 1 if overlap_dispatch is None else bool(overlap_dispatch)
         prefill_pipeline.segments(cfg.num_hidden_layers, prefill_cuts)  # refuses cuts that are not layer indices
         self.prefill_cuts = tuple(prefill_cuts)
         self.state = init_state(cfg, max_batch, max_len)
@@ -266,9 +278,12 @@ class Engine:
                 yield from self._emit(slots, b, int(nxt[b]), results)
 
     def _decode(self, slots, rows, results):
-        """One `decode_steps` call, then its tokens in step order; a request that finishes mid-burst frees its slot
-        and the rest of its row is discarded."""
-        B = self.max_batch
+        """`decode_steps` bursts for `rows`, their tokens in step order; a request that finishes mid-burst frees its
+        slot and the rest of its row is discarded. Without overlap_dispatch one burst per call (`_run` then admits
+        waiting requests into freed slots); with it, bursts follow each other until a row finishes, each dispatched
+        before the previous one is read, and the burst in flight when a row finishes is read too (its tokens for
+        the other rows are theirs)."""
+        B, n = self.max_batch, self.steps_per_dispatch
         tokens, active = np.zeros(B, np.int32), np.zeros(B, bool)
         limits, generated = np.zeros(B, np.int32), np.zeros(B, np.int32)
         for b in rows:
@@ -277,14 +292,35 @@ class Engine:
             # The state holds prompt + generated - 1 tokens; the request's last token is its max_tokens-th, sampled
             # by the step that writes position prompt + max_tokens - 2, so no step may start at this length.
             limits[b] = len(s.prompt) + s.sampling.max_tokens - 1
-        out, self.state = decode_steps(self.params, self.state, tokens, active, limits, self.keys, generated,
-                                       *self._settings(slots, rows), cfg=self.cfg, impl=self.impl,
-                                       num_steps=self.steps_per_dispatch)
-        out = np.asarray(out)
-        for step in out:
-            for b in rows:
-                if slots[b] is not None:
-                    yield from self._emit(slots, b, int(step[b]), results)
+        settings = self._settings(slots, rows)
+
+        def dispatch(tokens, generated):
+            out, self.state = decode_steps(self.params, self.state, tokens, active, limits, self.keys, generated,
+                                           *settings, cfg=self.cfg, impl=self.impl, num_steps=n)
+            return out
+
+        def emit(out):  # -> whether a row finished
+            finished = False
+            for step in np.asarray(out):
+                for b in rows:
+                    if slots[b] is not None:
+                        yield from self._emit(slots, b, int(step[b]), results)
+                        finished |= slots[b] is None
+            return finished
+
+        out = dispatch(tokens, generated)
+        while True:
+            ahead = None
+            if self.overlap_dispatch:
+                generated = generated + n  # a live row produced n tokens (a row that did not is past its limit)
+                ahead = dispatch(out[-1], generated)  # -1 marks rows that did not run; they do not run next either
+            finished = yield from emit(out)
+            if ahead is None:
+                return
+            if finished:
+                yield from emit(ahead)
+                return
+            out = ahead
 
     def _emit(self, slots, b, token, results):
         s = slots[b]

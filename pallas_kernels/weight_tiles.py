@@ -308,13 +308,14 @@ def _dot_nt(a: jax.Array, b: jax.Array) -> jax.Array:
     return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=F32)
 
 
-# ---- packed NVFP4 decode to BF16 (tensor-core paths: grouped_matmul, stream_rows_dot) ---------------------------------------------------------------------------------------
+# ---- packed NVFP4 decode to BF16 (tensor-core paths: grouped_matmul, stream_rows_dot) ----------------------------
 # The "int" decode as runs Z-AH timed it spent ~10 integer and conversion instructions per weight value on the CUDA
 # cores, as many cycles as the tensor cores spend on the value's 256 products (run Z: the NVFP4 grouped GEMMs take
 # 73 ms of an 8K prefill against 42 ms for BF16 weights). (It now shares nvfp4.decode_codes, which builds both
-# nibbles of a byte in one word: the same values, not timed since.) The packed decode works on 32-bit registers holding two BF16 lanes:
-# per 4 code bytes (8 values) two byte permutes spread the bytes over 16-bit lanes; per lane pair, shifts and masks
-# place a nibble's magnitude bits (e e m) in the BF16 exponent/mantissa bits 8..6 and its sign in bit 15, which is
+# nibbles of a byte in one word: the same values, not timed since.) The packed decode works on 32-bit registers
+# holding two BF16 lanes: per 4 code bytes (8 values) two byte permutes spread the bytes over 16-bit lanes; per lane
+# pair, shifts and masks place a nibble's magnitude bits (e e m) in the BF16 exponent/mantissa bits 8..6 and its
+# sign in bit 15, which is
 # exactly E2M1(c) * 2^-126 (the code 0.5 is a BF16 subnormal, still exact); one BF16x2 FMA multiplies by the scale
 # E4M3 * 2^118 (exact in BF16: 4 significant bits, at most 2^126.8). The product is w * 2^-8, exact in BF16 (at most 6
 # significant bits, between 2^-18 and 2^3.4 in magnitude), so the tensor cores see the reference's BF16 weights

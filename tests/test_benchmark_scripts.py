@@ -49,6 +49,22 @@ def test_profile_decode_rejects_unknown_variant(tmp_path):
     assert p.returncode != 0 and "unknown variant 'nonsense'" in (p.stdout + p.stderr)
 
 
+def test_bench_engine_tiny(tmp_path):
+    """Engine.generate per variant; overlap_dispatch and the burst length leave the tokens unchanged on the CPU."""
+    out = run_script("bench_engine.py", "--tiny", "--out", str(tmp_path), "--variants", "1:off,1:on,3:on",
+                     "--repeats", "1")
+    rows = json.loads((tmp_path / "engine.json").read_text())["rows"]
+    assert [(r["steps_per_dispatch"], r["overlap_dispatch"]) for r in rows] == [(1, False), (1, True), (3, True)]
+    assert all(r["decode_ms_per_token"] > 0 and r["same_tokens_as_first"] for r in rows)
+    assert "| 3 | on |" in out
+
+
+def test_bench_engine_rejects_bad_variant(tmp_path):
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_engine.py"), "--tiny", "--out",
+                        str(tmp_path), "--variants", "4:maybe"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert p.returncode != 0 and "bad variant '4:maybe'" in (p.stdout + p.stderr)
+
+
 def test_dispatch_overhead_runs():
     out = run_script("dispatch_overhead.py", "--iters", "2")
     assert "nvfp4: " in out and "bf16: " in out and "parameter buffers" in out

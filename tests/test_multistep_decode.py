@@ -1,5 +1,6 @@
-"""Several decode steps per dispatch (`Engine(steps_per_dispatch=n)`, `engine.decode_steps`): a request's tokens,
-finish reason and streamed events are the same for every n; only how they are grouped into device calls changes."""
+"""Several decode steps per dispatch (`Engine(steps_per_dispatch=n)`, `engine.decode_steps`), and each burst
+dispatched before the previous one is read (`overlap_dispatch`): a request's tokens, finish reason and streamed
+events are the same for every n and either way; only how they are grouped into device calls changes."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,8 +15,10 @@ MAX_LEN = 24
 
 @pytest.fixture(scope="module")
 def engines(tiny_cfg, tiny_params):
-    return {n: Engine(tiny_cfg, tiny_params, max_batch=2, max_len=MAX_LEN, chunk_size=4, steps_per_dispatch=n)
-            for n in (1, 3, 4)}
+    """(steps_per_dispatch, overlap_dispatch) -> Engine; (1, False) is one burst of one step per host read."""
+    return {(n, o): Engine(tiny_cfg, tiny_params, max_batch=2, max_len=MAX_LEN, chunk_size=4, steps_per_dispatch=n,
+                           overlap_dispatch=o)
+            for n, o in ((1, False), (1, True), (3, False), (3, True), (4, True))}
 
 
 def _run(engine, prompts, sampling):
@@ -43,7 +46,7 @@ def test_every_steps_per_dispatch_gives_the_same_completions(engines, temperatur
 
     # The token at index 2 comes from the first burst's second step for n = 3 and 4: a stop token there is
     # mid-burst. max_tokens 6 ends inside the second burst for both.
-    probe = engines[1].generate([[4, 1, 4]], params(8, seed=5))[0].tokens
+    probe = engines[1, False].generate([[4, 1, 4]], params(8, seed=5))[0].tokens
     stop_at = _first_new(probe, 2)
     prompts = [[4, 1, 4], [1, 2, 3, 4, 5, 6, 7], [9, 8, 7], [5] * 10, [3, 3], [2] * 14]
     sampling = [params(8, seed=5, stop=(probe[stop_at],)),  # stops mid-burst
@@ -52,14 +55,14 @@ def test_every_steps_per_dispatch_gives_the_same_completions(engines, temperatur
                 params(9, seed=3),  # takes over a freed slot
                 params(1, seed=4),  # prefill only
                 params(MAX_LEN - 14, seed=6)]  # prompt + max_tokens == max_len
-    reference = _run(engines[1], prompts, sampling)
+    reference = _run(engines[1, False], prompts, sampling)
     assert reference[0] == (probe[:stop_at + 1], "stop") and stop_at + 1 < 8
     assert [len(t) for t, _ in reference[1:]] == [6, 2, 9, 1, MAX_LEN - 14]
     assert all(reason == "length" for _, reason in reference[1:])
-    for n in (3, 4):
-        assert _run(engines[n], prompts, sampling) == reference, f"steps_per_dispatch={n}"
+    for key, engine in engines.items():
+        assert _run(engine, prompts, sampling) == reference, f"(steps_per_dispatch, overlap_dispatch) = {key}"
         # No row ever held more than max_len - 1 tokens (the last sampled token is never written).
-        assert int(jnp.max(engines[n].state.lengths)) <= MAX_LEN - 1
+        assert int(jnp.max(engine.state.lengths)) <= MAX_LEN - 1
 
 
 def test_decode_steps_equals_single_steps_and_respects_limits(tiny_cfg, tiny_params):
@@ -101,6 +104,15 @@ def test_pallas_bursts_match_single_steps(tiny_cfg, tiny_params):
     results = [Engine(tiny_cfg, tiny_params, max_batch=2, max_len=16, chunk_size=8, impl="pallas",
                       steps_per_dispatch=n).generate(prompts, sampling) for n in (1, 3)]
     assert [(r.tokens, r.finish_reason) for r in results[0]] == [(r.tokens, r.finish_reason) for r in results[1]]
+
+
+def test_overlap_dispatch_defaults_to_bursts(tiny_cfg, tiny_params):
+    """overlap_dispatch=None: on for bursts of several steps (where it pays, run BK), off for one step per call."""
+    def make(n, o=None):
+        return Engine(tiny_cfg, tiny_params, max_len=16, steps_per_dispatch=n, overlap_dispatch=o)
+
+    assert not make(1).overlap_dispatch and make(4).overlap_dispatch
+    assert make(1, True).overlap_dispatch and not make(4, False).overlap_dispatch
 
 
 @pytest.mark.parametrize("bad", [0, -1, 2.5, True, "4"])
