@@ -113,11 +113,19 @@ def _decode_mlp(h, layer, cfg):
     return _kernels()["decode_mlp"](h[:, 0], layer, cfg, interpret=_interpret())[:, None]
 
 
-# The LM-head kernel (gemv.gemv_logits, final norm fused) runs for NVFP4 heads at up to this many rows: measured on
-# the H200 (docs/BENCHMARKS.md) it streams the 175 MB NVFP4 head 2.75x faster than XLA at one row, where XLA first
-# writes a 620 MB BF16 copy (in the served step: a 370 us convert plus a 153 us GEMM), but is slower at 8 rows,
-# and for BF16 heads XLA's GEMM is as fast.
+# The LM-head kernel (gemv.gemv_logits, final norm fused) runs for NVFP4 heads at up to LM_HEAD_KERNEL_MAX_ROWS rows
+# (FMA path) and from gemv.TABLE_DOT_MIN_ROWS rows on (tensor-core path), where it was measured ahead of XLA, which
+# first writes a 620 MB BF16 copy of the 175 MB NVFP4 head. On the H200 (docs/BENCHMARKS.md): 2.75x faster than XLA
+# at one row (run J); at 8 rows 120 us against XLA's 381 us (convert, concatenate, GEMM), served step 6.507 ->
+# 6.250 ms at 8K (run BL). 3-4 rows were not measured and stay on XLA; so do BF16 heads (XLA's GEMM is as fast).
 LM_HEAD_KERNEL_MAX_ROWS = 2
+
+
+def lm_head_kernel_rows(rows: int) -> bool:
+    """Whether an NVFP4 LM head of `rows` rows runs the kernel (the rule above)."""
+    from flint_jax.pallas_kernels import gemv
+    dot_from = gemv.TABLE_DOT_MIN_ROWS
+    return rows <= LM_HEAD_KERNEL_MAX_ROWS or (dot_from is not None and rows >= dot_from)
 
 
 def lm_logits(params, h, cfg):
@@ -125,7 +133,7 @@ def lm_logits(params, h, cfg):
     from flint_jax.nvfp4 import NVFP4Weight
     lead = h.shape[:-1]
     rows = math.prod(lead)
-    if not isinstance(params.lm_head, NVFP4Weight) or rows > LM_HEAD_KERNEL_MAX_ROWS:
+    if not isinstance(params.lm_head, NVFP4Weight) or not lm_head_kernel_rows(rows):
         return L.logits_from_hidden(h, params.final_norm, params.lm_head, cfg.rms_norm_eps)
     from flint_jax.pallas_kernels import gemv
     out = gemv.gemv_logits(h.reshape(rows, h.shape[-1]), params.lm_head, norm_weight=params.final_norm,

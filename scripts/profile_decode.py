@@ -42,6 +42,7 @@ def _variants():
     from flint_jax.pallas_kernels import grid_sync as GS
     from flint_jax.pallas_kernels import moe_experts as ME
     from flint_jax.pallas_kernels import moe_persistent as MP
+    from flint_jax import pallas_path as PP
     return {
         "base": [],
         "prefetch": [(G, "TABLE_PREFETCH", True), (ME, "GATE_UP_BLOCK", (8, 512, 4, 3, False, True))],
@@ -66,6 +67,7 @@ def _variants():
         "bf16_generic_tables": [(G, "BF16_TABLE", None), (ME, "BF16_GATE_UP_BLOCK", (8, 1024, 4, 3)),
                                 (ME, "BF16_DOWN_BLOCK", (8, 512, 4, 1))],
         "fma_rows": [(G, "TABLE_DOT_MIN_ROWS", None)],  # every row count on the FMA path (before run BG)
+        "lm_head_rows8": [(PP, "LM_HEAD_KERNEL_MAX_ROWS", 8)],  # served step: the LM-head kernel up to 8 rows
         "dot_rows4": [(G, "TABLE_DOT_MIN_ROWS", 4)],  # run BH: slower at batch 4 (rows padded to 8)
         "dot_bk512": [(G, "DOT_BLOCK", (16, 512, 1, 3))],  # run BH: QKV 30 us per layer at batch 8 (19.5 at 256)
         "dot_bk128": [(G, "DOT_BLOCK", (16, 128, 1, 3))],
