@@ -137,8 +137,8 @@ class Engine:
     instead of after it; a request's tokens are the same either way. A request that stops costs its row the burst
     already in flight, whose tokens for it are discarded. None (default): on when steps_per_dispatch > 1. Measured
     on one H200 (Flint, NVFP4, Pallas, batch 1, 8K prompt; scripts/bench_engine.py, docs/BENCHMARKS.md run BK): 4
-    steps per dispatch 3.81 -> 2.61 ms/token with it; 1 step 6.03 -> 7.70 ms/token, since a dispatch that donates
-    the state waits for the step still using it, so at one step per call the host's work cannot overlap anyway.
+    steps per dispatch 3.81 -> 2.61 ms/token with it; 1 step 6.03 -> 7.70 ms/token (by our reading, a dispatch that
+    donates the state waits for the step still using it, so at one step per call the host's work cannot overlap).
     tokenizer / chat_template: needed only by `chat` (a FlintTokenizer; a GGUF's template, else the project's).
     prefill_cuts: layer indices where each prefill chunk is cut into separately dispatched programs, so the host's
     dispatch overlaps the device's work (flint_jax.prefill_pipeline; () runs each chunk as one program).
@@ -239,8 +239,8 @@ class Engine:
                 mask[fresh] = True
                 yield from self._prefill(slots, fresh, results, reset=mask)
             active = [b for b in range(self.max_batch) if slots[b] is not None]
-            if active:
-                yield from self._decode(slots, active, results)
+            if active:  # a request finished at its prefill may have left a slot for the queue: one burst, then admit
+                yield from self._decode(slots, active, results, admit_after_one=bool(queue) and None in slots)
 
     def _settings(self, slots, rows):
         """(temperature, top_k, top_p) per row, as numpy: host prep stays free of eager device ops."""
@@ -277,12 +277,12 @@ class Engine:
                 slots[b].first_token_at = time.perf_counter()
                 yield from self._emit(slots, b, int(nxt[b]), results)
 
-    def _decode(self, slots, rows, results):
+    def _decode(self, slots, rows, results, admit_after_one: bool = False):
         """`decode_steps` bursts for `rows`, their tokens in step order; a request that finishes mid-burst frees its
-        slot and the rest of its row is discarded. Without overlap_dispatch one burst per call (`_run` then admits
-        waiting requests into freed slots); with it, bursts follow each other until a row finishes, each dispatched
-        before the previous one is read, and the burst in flight when a row finishes is read too (its tokens for
-        the other rows are theirs)."""
+        slot and the rest of its row is discarded. Without overlap_dispatch (or with admit_after_one: a free slot
+        waits for a queued request) one burst per call, after which `_run` admits waiting requests into free slots;
+        with it, bursts follow each other until a row finishes, each dispatched before the previous one is read, and
+        the burst in flight when a row finishes is read too (its tokens for the other rows are theirs)."""
         B, n = self.max_batch, self.steps_per_dispatch
         tokens, active = np.zeros(B, np.int32), np.zeros(B, bool)
         limits, generated = np.zeros(B, np.int32), np.zeros(B, np.int32)
@@ -311,7 +311,7 @@ class Engine:
         out = dispatch(tokens, generated)
         while True:
             ahead = None
-            if self.overlap_dispatch:
+            if self.overlap_dispatch and not admit_after_one:
                 generated = generated + n  # a live row produced n tokens (a row that did not is past its limit)
                 ahead = dispatch(out[-1], generated)  # -1 marks rows that did not run; they do not run next either
             finished = yield from emit(out)
