@@ -123,9 +123,9 @@ LM_HEAD_KERNEL_MAX_ROWS = 2
 
 def lm_head_kernel_rows(rows: int) -> bool:
     """Whether an NVFP4 LM head of `rows` rows runs the kernel (the rule above)."""
-    from flint_jax.pallas_kernels import gemv
-    dot_from = gemv.TABLE_DOT_MIN_ROWS
-    return rows <= LM_HEAD_KERNEL_MAX_ROWS or (dot_from is not None and rows >= dot_from)
+    from flint_jax.pallas_kernels import gemv, weight_tiles
+    dot_from = gemv.TABLE_DOT_MIN_ROWS  # compared, as gemv does, with the rows padded to a power of two
+    return rows <= LM_HEAD_KERNEL_MAX_ROWS or (dot_from is not None and weight_tiles.pow2_rows(rows) >= dot_from)
 
 
 def lm_logits(params, h, cfg):

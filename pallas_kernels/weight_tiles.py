@@ -315,12 +315,12 @@ def _dot_nt(a: jax.Array, b: jax.Array) -> jax.Array:
 # nibbles of a byte in one word: the same values, not timed since.) The packed decode works on 32-bit registers
 # holding two BF16 lanes: per 4 code bytes (8 values) two byte permutes spread the bytes over 16-bit lanes; per lane
 # pair, shifts and masks place a nibble's magnitude bits (e e m) in the BF16 exponent/mantissa bits 8..6 and its
-# sign in bit 15, which is
-# exactly E2M1(c) * 2^-126 (the code 0.5 is a BF16 subnormal, still exact); one BF16x2 FMA multiplies by the scale
-# E4M3 * 2^118 (exact in BF16: 4 significant bits, at most 2^126.8). The product is w * 2^-8, exact in BF16 (at most 6
-# significant bits, between 2^-18 and 2^3.4 in magnitude), so the tensor cores see the reference's BF16 weights
-# times 2^-8, and the epilogue multiplies the FP32 accumulator by global_scale * 2^8: the same FP32 products and sums
-# as the "int" decode, up to an exact power of two. About 3.3 instructions per value instead of ~10.
+# sign in bit 15, which is exactly E2M1(c) * 2^-126 (the code 0.5 is a BF16 subnormal, still exact); one BF16x2 FMA
+# multiplies by the scale E4M3 * 2^118 (exact in BF16: 4 significant bits, at most 2^126.8). The product is w * 2^-8,
+# exact in BF16 (at most 6 significant bits, between 2^-18 and 2^3.4 in magnitude), so the tensor cores see the
+# reference's BF16 weights times 2^-8, and the epilogue multiplies the FP32 accumulator by global_scale * 2^8: the
+# same FP32 products and sums as the "int" decode, up to an exact power of two. About 3.3 instructions per value
+# instead of ~10.
 PACKED_EXP = 8  # the packed decode yields w * 2^-PACKED_EXP
 
 
