@@ -117,7 +117,8 @@ def _decode_mlp(h, layer, cfg):
 # (FMA path) and from gemv.TABLE_DOT_MIN_ROWS rows on (tensor-core path), where it was measured ahead of XLA, which
 # first writes a 620 MB BF16 copy of the 175 MB NVFP4 head. On the H200 (docs/BENCHMARKS.md): 2.75x faster than XLA
 # at one row (run J); at 8 rows 120 us against XLA's 381 us (convert, concatenate, GEMM), served step 6.507 ->
-# 6.250 ms at 8K (run BL). 3-4 rows were not measured and stay on XLA; so do BF16 heads (XLA's GEMM is as fast).
+# 6.250 ms at 8K (run BL); 5-7 rows run the same kernel on x padded to 8 rows (not timed). 3-4 rows were not
+# measured and stay on XLA; so do BF16 heads (XLA's GEMM is as fast).
 LM_HEAD_KERNEL_MAX_ROWS = 2
 
 
