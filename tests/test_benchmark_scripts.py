@@ -65,6 +65,18 @@ def test_bench_engine_rejects_bad_variant(tmp_path):
     assert p.returncode != 0 and "bad variant '4:maybe'" in (p.stdout + p.stderr)
 
 
+def test_kernel_sass_writes_the_triton_ir(tmp_path):
+    """The offline code inspection's first half (no Triton needed): the kernel's Triton IR from a CUDA lowering."""
+    out = run_script("kernel_sass.py", "--out", str(tmp_path), "--n", "256", "--k", "512", "--rows", "8",
+                     "--block", "32,256,2,3,1", "--ttir-only")
+    ttir = (tmp_path / "linear_nvfp4_256x512_m8_b32-256-2-3-1.ttir").read_text()
+    assert "tt.func" in ttir and "tt.dot" in ttir and "dot=True" in out  # the tensor-core path, as asked
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "kernel_sass.py"), "--out", str(tmp_path),
+                        "--n", "256", "--k", "512", "--block", "32,256"], capture_output=True, text=True, timeout=300,
+                       cwd=ROOT)
+    assert p.returncode != 0 and "--block wants bn,bk,warps,stages[,dot]" in (p.stdout + p.stderr)
+
+
 def test_dispatch_overhead_runs():
     out = run_script("dispatch_overhead.py", "--iters", "2")
     assert "nvfp4: " in out and "bf16: " in out and "parameter buffers" in out

@@ -1,0 +1,148 @@
+"""What a weight-streaming kernel compiles to, without a GPU: its Triton IR, and with Triton installed its SASS.
+
+The kernel (`gemv.gemv` or `gemv.gemv_logits` at the given shape, rows and block) is lowered for CUDA on this machine
+with an H200 described (`pallas_path.lowering_for_gpu`), and the Triton module Pallas hands to XLA is written to
+OUT/NAME.ttir. If the `triton` package is importable (it is not a project dependency: `pip install triton==3.6.0`,
+the version on the GPU machine, ~190 MB), the module is compiled for sm_90 with its ptxas and OUT/NAME.sass,
+OUT/NAME.ptx and a summary are written: SASS instructions by opcode, registers and spills (cuobjdump). XLA compiles
+the same IR with its own Triton build, so details may differ; instruction mixes and spills have matched so far
+(docs/KERNELS.md). Counts are static (a loop body counts once).
+
+    python scripts/kernel_sass.py --out /tmp/sass --n 2048 --k 4096 --rows 1              # O projection, NVFP4
+    python scripts/kernel_sass.py --out /tmp/sass --n 2048 --k 4096 --rows 8 --block 32,256,2,3,1
+    python scripts/kernel_sass.py --out /tmp/sass --mode logits --n 151552 --k 2048 --norm
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import flint_jax  # noqa: E402,F401  (XLA flags before JAX starts)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+
+def capture_ttir(mode: str, n: int, k: int, rows: int, weights: str, block, norm: bool) -> tuple[str, object]:
+    """(Triton IR text of the kernel, its Blocks), from a CUDA lowering on this machine."""
+    from jax._src.pallas.triton import pallas_call_registration as reg
+
+    from flint_jax import nvfp4
+    from flint_jax.pallas_kernels import gemv
+    from flint_jax.pallas_kernels import weight_tiles as wt
+    from flint_jax.pallas_path import lowering_for_gpu
+
+    captured = []
+    original = reg.lowering.lower_jaxpr_to_triton_module
+
+    def capture(*args, **kwargs):
+        result = original(*args, **kwargs)
+        captured.append(result.module.operation.get_asm(enable_debug_info=False))
+        return result
+
+    if weights == "nvfp4":
+        w = jax.eval_shape(lambda: nvfp4.random(jax.random.key(0), (n, k)))
+    else:
+        w = jax.ShapeDtypeStruct((n, k), jnp.bfloat16)
+    x = jax.ShapeDtypeStruct((rows, k), jnp.bfloat16)
+    nw = jax.ShapeDtypeStruct((k,), jnp.bfloat16)
+    fn = gemv.gemv_logits if mode == "logits" else gemv.gemv
+    reg.lowering.lower_jaxpr_to_triton_module = capture
+    try:
+        with lowering_for_gpu():
+            jax.jit(lambda x, w, nw: fn(x, w, norm_weight=nw if norm else None, block=block)).trace(
+                x, w, nw).lower(lowering_platforms=("cuda",))
+    finally:
+        reg.lowering.lower_jaxpr_to_triton_module = original
+    if len(captured) != 1:
+        raise SystemExit(f"kernel_sass: expected one Triton kernel, the lowering produced {len(captured)}")
+    blocks = gemv.resolve_blocks(wt.WeightSpec(weights, 1, n, k), wt.pow2_rows(rows), 1, block)
+    return captured[0], blocks
+
+
+def opcode_counts(sass: str) -> collections.Counter:
+    """SASS opcodes (predicates and modifiers dropped) of a cuobjdump/Triton listing."""
+    counts = collections.Counter()
+    for line in sass.splitlines():
+        if line.startswith("Function"):
+            continue
+        m = re.match(r"\S+\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]+)", line)  # control codes, predicate, opcode
+        if m:
+            counts[m.group(1)] += 1
+    return counts
+
+
+def compile_sass(ttir_path: str, num_warps: int, num_stages: int) -> dict:
+    """Compile the IR with the installed Triton for sm_90: {"sass", "ptx", "resources"}."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    kernel = triton.compile(ttir_path, target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=num_warps, num_stages=num_stages))
+    sass = kernel.asm.get("sass")
+    if sass is None:
+        from triton.tools.disasm import get_sass
+        sass = get_sass(kernel.asm["cubin"])
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    resources = next((ln.strip() for ln in usage.splitlines() if "REG:" in ln), "")
+    return {"sass": sass, "ptx": kernel.asm["ptx"], "resources": resources}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="directory for NAME.ttir (and NAME.sass, NAME.ptx)")
+    ap.add_argument("--mode", default="linear", choices=("linear", "logits"), help="gemv.gemv or gemv.gemv_logits")
+    ap.add_argument("--n", type=int, required=True, help="output rows of the weight")
+    ap.add_argument("--k", type=int, required=True, help="input features")
+    ap.add_argument("--rows", type=int, default=1, help="activation rows M (1-8)")
+    ap.add_argument("--weights", default="nvfp4", choices=("nvfp4", "bf16"))
+    ap.add_argument("--block", default=None,
+                    help="bn,bk,warps,stages[,dot]: override the block table (dot: 1 for the tensor-core path)")
+    ap.add_argument("--norm", action="store_true", help="with the fused RMSNorm prologue")
+    ap.add_argument("--name", default=None, help="file name stem (default from the arguments)")
+    ap.add_argument("--ttir-only", action="store_true", help="write the IR only, even where Triton is installed")
+    args = ap.parse_args(argv)
+    block = None
+    if args.block:
+        parts = [int(v) for v in args.block.split(",")]
+        if len(parts) not in (4, 5):
+            raise SystemExit("kernel_sass: --block wants bn,bk,warps,stages[,dot]")
+        block = tuple(parts[:4]) + ((bool(parts[4]),) if len(parts) == 5 else ())
+    name = args.name or f"{args.mode}_{args.weights}_{args.n}x{args.k}_m{args.rows}" + (
+        "_b" + "-".join(args.block.split(",")) if args.block else "") + ("_norm" if args.norm else "")
+    os.makedirs(args.out, exist_ok=True)
+    ttir, blocks = capture_ttir(args.mode, args.n, args.k, args.rows, args.weights, block, args.norm)
+    ttir_path = os.path.join(args.out, name + ".ttir")
+    with open(ttir_path, "w") as f:
+        f.write(ttir)
+    print(f"{name}: {blocks}, grid {args.n // blocks.bn}; Triton IR -> {ttir_path}")
+    if args.ttir_only:
+        return 0
+    if importlib.util.find_spec("triton") is None:
+        print("triton is not installed here: `pip install triton==3.6.0` (the GPU machine's version) for the SASS")
+        return 0
+    result = compile_sass(ttir_path, blocks.num_warps, blocks.num_stages)
+    for ext in ("sass", "ptx"):
+        with open(os.path.join(args.out, f"{name}.{ext}"), "w") as f:
+            f.write(result[ext])
+    counts = opcode_counts(result["sass"])
+    print(f"  resources: {result['resources']}")
+    print(f"  SASS instructions: {sum(counts.values())}; by opcode: "
+          + ", ".join(f"{op} {c}" for op, c in counts.most_common(16)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
