@@ -55,6 +55,9 @@ def _variants():
         "ring_warps4": [(DA, "RING_NUM_WARPS", 4)],  # the ring kernels as before run BD
         "attn_splits64": [(DA, "MAX_SPLITS", 64)],  # run O's variant; the default since (one wave at B = 1)
         "attn_stages4": [(DA, "NUM_STAGES", 4)],
+        # full layers below 16K: smaller split chunks (MIN_CHUNK 256 gives 8K 32 splits of 256 keys; not yet measured)
+        "attn_min_chunk128": [(DA, "MIN_CHUNK", 128)],
+        "attn_min_chunk64": [(DA, "MIN_CHUNK", 64)],
         "hot_weights": [],  # no knobs: its parameters differ (PARAM_VARIANTS)
         "ring_splits4": [(DA, "RING_SPLITS", 4)],
         "ring_loop": [(DA, "RING_PRELOAD", False)],  # splits of two blocks, a loop over them (run G's kernel)
