@@ -55,12 +55,8 @@ def _qkv_kernel(x_ref, nw_ref, *refs, spec, mp, blocks, eps, row_blocks, col0, p
     wrefs = [refs[i * n_ops:(i + 1) * n_ops] for i in range(3)]
     j = pl.program_id(0)
     bn, bk = blocks.bn, blocks.bk
-    if blocks.dot:  # x as [M, K], all rows' norms at once
-        xs = wt.XSource(x_ref, "bf16", nw_ref, eps)
-        inv = xs.inv_rms_block(spec.k)
-    else:
-        xs = wt.XSource(x_ref, spec.kind, nw_ref, eps)
-        inv = [xs.inv_rms(r, spec.k) for r in range(mp)]
+    xs = wt.XSource(x_ref, wt.x_kind(spec.kind, blocks.dot), nw_ref, eps)
+    inv = xs.inv_rms_block(spec.k) if blocks.dot else [xs.inv_rms(r, spec.k) for r in range(mp)]
     for which in range(3):
         lo, hi = row_blocks[which]
         w_refs = wrefs[which]
@@ -108,7 +104,7 @@ def qkv_projection(h: jax.Array, attn_norm: jax.Array, attn, cfg: FlintConfig, i
         mp = G.dot_rows(mp)
         weight_ops = [wt.dot_operands(s, ops) for s, ops in zip(specs, weight_ops)]
     args = [a for ops in weight_ops for a in ops]
-    x_kind = "bf16" if blocks.dot else specs[0].kind
+    x_kind = wt.x_kind(specs[0].kind, blocks.dot)
     row_blocks, col0, start = [], [], 0
     for s in specs:
         row_blocks.append((start // bn, (start + s.n) // bn))

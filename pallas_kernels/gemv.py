@@ -46,8 +46,9 @@ LARGE_N = 65536  # outputs from which an NVFP4 weight streams with the LM head's
 # Rows from which the tensor-core path (Blocks.dot: weight tiles decoded to BF16 as the MMA's left operand, x the
 # right one, rows padded to 8) streams a single weight (gemv, qkv_projection), with DOT_BLOCK; None: never.
 # Measured in the batch-8 step at 8K on the H200 (scripts/profile_decode.py, device time, docs/BENCHMARKS.md runs
-# BH-BI): the FMA path spends ~38 instructions per NVFP4 weight value at 8 rows (8 FMAs and 8 activation conversions
-# per value), the dot path ~9 (weight_tiles.decode_packed). NVFP4: QKV 30.3 -> 13.0 us and O projection
+# BH-BI). In the SASS of the O projection at 8 rows (scripts/kernel_sass.py) the FMA path spends 38 instructions per
+# NVFP4 weight value (8 FMAs and 8 activation conversions per value), the dot path 7.8 (weight_tiles.decode_packed).
+# NVFP4: QKV 30.3 -> 13.0 us and O projection
 # 20.0 -> 13.1 us per layer, step 7.013 -> 5.801 ms; BF16 step 9.178 -> 7.004 ms (16-row blocks). At 4 rows (padded
 # to 8) it was slower, 4.083 -> 5.087 ms (XLA pad and slice kernels; QKV 14.4 -> 29.7 us), so it starts at 8 rows.
 TABLE_DOT_MIN_ROWS = 8
@@ -119,7 +120,7 @@ def _gemv_kernel(*refs, spec, n_weights, mp, blocks, has_norm, has_res, eps, mod
     o_ref = next(it)
     bn, bk = blocks.bn, blocks.bk
     n0 = pl.multiple_of(pl.program_id(0) * bn, bn)
-    xs = wt.XSource(x_ref, "bf16" if blocks.dot else spec.kind, nw_ref, eps)  # the dot path reads x as [M, K]
+    xs = wt.XSource(x_ref, wt.x_kind(spec.kind, blocks.dot), nw_ref, eps)
     scales = [(wt.dot_scale if blocks.dot else wt.global_scale)(spec, r, 0) for r in wrefs]
 
     def epilogue(accs, res):
@@ -168,7 +169,7 @@ def _call(x, ws, *, norm_weight, eps, residual, interpret, mode, block):
     blocks = resolve_blocks(spec, mp, len(ws), block)
     if blocks.dot:
         mp = dot_rows(mp)
-    x_kind = "bf16" if blocks.dot else spec.kind  # the layout x streams in (weight_tiles.x_shape)
+    x_kind = wt.x_kind(spec.kind, blocks.dot)
     operands = [wt.x_operand(wt.pad_rows(x.astype(BF16), mp), x_kind)]
     if norm_weight is not None:
         nw = norm_weight.astype(BF16)

@@ -83,6 +83,12 @@ def x_shape(m: int, k: int, kind: str) -> tuple[int, ...]:
     return (m, k // GROUP, GROUP) if kind == "nvfp4" else (m, k)
 
 
+def x_kind(kind: str, dot: bool) -> str:
+    """The layout x streams in: [M, K] ("bf16") on the tensor-core path (stream_rows_dot) whatever the weight's kind,
+    else the weight kind's (`x_shape`)."""
+    return "bf16" if dot else kind
+
+
 def x_operand(x: jax.Array, kind: str) -> jax.Array:
     """Activations [M, K] in the layout of `x_shape` (a free reshape)."""
     return x.reshape(x_shape(*x.shape, kind))

@@ -21,19 +21,17 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import flint_jax  # noqa: E402,F401  (XLA flags before JAX starts)
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench_decode import log  # noqa: E402
 from flint_jax.config import FlintConfig  # noqa: E402
 from flint_jax.engine import Engine  # noqa: E402
 from flint_jax.params import init_params  # noqa: E402
 from flint_jax.sampling import SamplingParams  # noqa: E402
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def parse_variants(text: str) -> list[tuple[int, bool]]:

@@ -6,7 +6,8 @@ OUT/NAME.ttir. If the `triton` package is importable (it is not a project depend
 the version on the GPU machine, ~190 MB), the module is compiled for sm_90 with its ptxas and OUT/NAME.sass,
 OUT/NAME.ptx and a summary are written: SASS instructions by opcode, registers and spills (cuobjdump). XLA compiles
 the same IR with its own Triton build, so details may differ; instruction mixes and spills have matched so far
-(docs/KERNELS.md). Counts are static (a loop body counts once).
+(docs/KERNELS.md). Counts are static (a loop body counts once); instructions per weight value divide them by the
+values a thread takes per K step.
 
     python scripts/kernel_sass.py --out /tmp/sass --n 2048 --k 4096 --rows 1              # O projection, NVFP4
     python scripts/kernel_sass.py --out /tmp/sass --n 2048 --k 4096 --rows 8 --block 32,256,2,3,1
@@ -139,8 +140,12 @@ def main(argv=None) -> int:
             f.write(result[ext])
     counts = opcode_counts(result["sass"])
     print(f"  resources: {result['resources']}")
-    print(f"  SASS instructions: {sum(counts.values())}; by opcode: "
-          + ", ".join(f"{op} {c}" for op, c in counts.most_common(16)))
+    total = sum(counts.values())
+    per_thread = blocks.bn * blocks.bk / (blocks.num_warps * 32)  # weight values a thread takes per K step
+    print(f"  SASS instructions: {total}; by opcode: " + ", ".join(f"{op} {c}" for op, c in counts.most_common(16)))
+    print(f"  {per_thread:g} weight values per thread per K step ({blocks.bn} rows x {blocks.bk} values / "
+          f"{blocks.num_warps * 32} threads): {total / per_thread:.1f} static instructions per value (all "
+          f"{args.rows} activation rows; a K loop's body counts once)")
     return 0
 
 
