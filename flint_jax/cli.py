@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
 def run_generate(args) -> int:
     from flint_jax.chat import IncrementalDecoder
     from flint_jax.engine import Engine
-    from flint_jax.runtime import load_runtime
+    from flint_jax.runtime import engine_params, load_runtime
     from flint_jax.sampling import SamplingParams
 
     rt = load_runtime(args.model, announce=lambda m: print(m, file=sys.stderr))
@@ -72,8 +72,8 @@ def run_generate(args) -> int:
     prompt_ids = rt.tokenizer.encode(text)
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                               max_tokens=args.max_tokens, seed=args.seed, stop_token_ids=rt.stop_token_ids)
-    engine = Engine(rt.cfg, rt.params, max_batch=1, max_len=resolve_max_len(args, rt), impl=args.impl,
-                    steps_per_dispatch=args.steps_per_dispatch, chunk_size=args.prefill_chunk)
+    engine = Engine(rt.cfg, engine_params(rt, args.impl), max_batch=1, max_len=resolve_max_len(args, rt),
+                    impl=args.impl, steps_per_dispatch=args.steps_per_dispatch, chunk_size=args.prefill_chunk)
     decoder = IncrementalDecoder(rt.tokenizer)
     sys.stdout.write(args.prompt if not args.chat else "")
     t0 = time.perf_counter()

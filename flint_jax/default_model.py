@@ -32,7 +32,7 @@ def runtime(weights: str = "nvfp4") -> Runtime:
     return Runtime(cfg, params, tok, stop_token_ids=tuple(tok.stop_token_ids),
                    description=f"{NAME} {weights.upper()} (embedded, trained by scripts/train_tiny.py; "
                                f"{cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}; its tools: {TOOLS_FILE})",
-                   chat_template=tok.chat_template, default_tools=demo_tools())
+                   chat_template=tok.chat_template, default_tools=demo_tools(), params_shared=True)
 
 
 @functools.lru_cache(maxsize=2)

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from flint_jax import layers as L
 from flint_jax.config import FlintConfig
+from flint_jax.layer_stack import materialize
 from flint_jax.params import Params
 from flint_jax.state import KVState, write_full, write_ring
 
@@ -86,8 +87,16 @@ def model_step(params: Params, state: KVState, tokens: jax.Array, n_new: jax.Arr
                impl: str = "xla"):
     """Run tokens [B, T] (row b's first n_new[b] are real) at positions lengths[b] + t.
     Returns (hidden [B, T, H] BF16 after the last layer, new state). Not jitted itself: `steps` jits it."""
-    h, caches = run_layers(params.layers, state.layers, embed(params, tokens), state.lengths, n_new, cfg, impl)
+    h, caches = run_layers(layers_of(params), state.layers, embed(params, tokens), state.lengths, n_new, cfg, impl)
     return h, KVState(layers=caches, lengths=state.lengths + n_new)
+
+
+def layers_of(params) -> tuple:
+    """The per-layer parameter trees that `run_layers` takes: `params.layers`, or for stacked parameters
+    (layer_stack.StackedParams) the layers as LayerSlices of the stacks (run_layers materialises them for the blocks
+    that do not index the stacks themselves)."""
+    from flint_jax.layer_stack import StackedParams
+    return params.layer_slices() if isinstance(params, StackedParams) else params.layers
 
 
 def run_layers(layers, caches, h: jax.Array, lengths: jax.Array, n_new: jax.Array, cfg: FlintConfig,
@@ -104,6 +113,8 @@ def run_layers(layers, caches, h: jax.Array, lengths: jax.Array, n_new: jax.Arra
     out = []
     for j, (layer, cache) in enumerate(zip(layers, caches)):
         i = first + j
+        if not blocks.takes_layer_slices:
+            layer = materialize(layer)
         with jax.named_scope(f"layer{i}"):
             h, cache = blocks.attention(h, layer, cache, positions, valid, lengths_after, cfg, cfg.is_sliding(i))
             h = blocks.mlp(h, layer, cfg)
@@ -116,6 +127,7 @@ class Blocks:
     """The two halves of a layer, as a decode path implements them."""
     attention: callable
     mlp: callable
+    takes_layer_slices: bool = False  # the blocks accept layer_stack.LayerSlice parameters
 
 
 def _blocks(impl: str, T: int) -> Blocks:

@@ -71,10 +71,13 @@ def coverage() -> dict[str, str]:
     return {k: "pallas" if v is not None else "reference (kernel missing)" for k, v in _kernels().items()}
 
 
-def kernel_census(cfg, weights: str = "nvfp4", batch: int = 1, impl: str = "pallas", max_len: int = 4096) -> dict:
+def kernel_census(cfg, weights: str = "nvfp4", batch: int = 1, impl: str = "pallas", max_len: int = 4096,
+                  stacked: bool = False) -> dict:
     """What one decode step launches on a GPU, found without one: the step is lowered for CUDA (abstract parameters,
-    nothing allocated). Returns {"pallas_kernels": n, "by_kernel": {name: n}, "other_hlo_ops": n}; the other ops are
-    XLA glue that the device compiler fuses into an unknown (smaller) number of kernels."""
+    nothing allocated; `stacked`: the layers' parameters stacked, layer_stack). Returns {"pallas_kernels": n,
+    "by_kernel": {name: n}, "other_hlo_ops": n, "argument_buffers": n}; the other ops are XLA glue that the device
+    compiler fuses into an unknown (smaller) number of kernels; the argument buffers are what the host hands over
+    per call (parameters and state)."""
     import collections
     import re
 
@@ -85,6 +88,9 @@ def kernel_census(cfg, weights: str = "nvfp4", batch: int = 1, impl: str = "pall
     from flint_jax.state import init_state
 
     params = abstract_params(cfg, weights)
+    if stacked:
+        from flint_jax.layer_stack import stack_layers
+        params = jax.eval_shape(stack_layers, params)
     state = jax.eval_shape(lambda: init_state(cfg, batch, max_len))
 
     def step(params, state, tokens):
@@ -100,7 +106,8 @@ def kernel_census(cfg, weights: str = "nvfp4", batch: int = 1, impl: str = "pall
     ops = collections.Counter(re.findall(r"= stablehlo\.(\w+)", text))
     return {"pallas_kernels": sum(n for c, n in calls.items() if "triton" in c or "mosaic" in c),
             "by_kernel": dict(names.most_common()),
-            "other_hlo_ops": sum(n for op, n in ops.items() if op not in free)}
+            "other_hlo_ops": sum(n for op, n in ops.items() if op not in free),
+            "argument_buffers": len(jax.tree.leaves(params)) + len(jax.tree.leaves(state))}
 
 
 def _decode_attention(h, layer, cache, positions, valid, lengths_after, cfg, sliding):
@@ -148,7 +155,8 @@ def blocks(T: int):
     k = _kernels()
     if T == 1:
         return Blocks(attention=_decode_attention if k["decode_attention"] else attention_block,
-                      mlp=_decode_mlp if k["decode_mlp"] else L.mlp_block)
+                      mlp=_decode_mlp if k["decode_mlp"] else L.mlp_block,
+                      takes_layer_slices=bool(k["decode_attention"] and k["decode_mlp"]))
     attention = (functools.partial(k["prefill_attention"], interpret=_interpret()) if k["prefill_attention"]
                  else attention_block)
     mlp = functools.partial(k["prefill_mlp"], interpret=_interpret()) if k["prefill_mlp"] else L.mlp_block

@@ -21,11 +21,14 @@ model.Blocks for model_step.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
 from flint_jax import layers as L
 from flint_jax.config import FlintConfig
+from flint_jax.layer_stack import materialize
 from flint_jax.pallas_kernels import grouped_matmul as gm
 from flint_jax.pallas_kernels import prefill_attention as pa
 from flint_jax.pallas_kernels import router as R
@@ -44,6 +47,7 @@ def attention_block(h: jax.Array, layer, cache, positions: jax.Array, valid: jax
     """`h + Wo(attention(rmsnorm(h)))` for a chunk h [B, T, H] at `positions` [B, T] (rows' valid tokens first),
     reading and updating the layer's cache. Returns (h, cache)."""
     interpret = _interpret(interpret)
+    layer = materialize(layer)
     B, T, _ = h.shape
     a = L.rmsnorm(h, layer.attn_norm, cfg.rms_norm_eps)
     q, k, v = L.project_qkv(a, layer.attn, positions, cfg, sliding)
@@ -131,12 +135,20 @@ def mlp_block(h: jax.Array, layer, cfg: FlintConfig, *, interpret: bool | None =
     """Post-attention half of a layer: `h + mlp(rmsnorm(h))`, the sum rounded to BF16. `blocks`: (gate/up, down)
     tile sizes of the grouped kernels (None: the table's)."""
     if not hasattr(layer.mlp, "router"):
-        return L.mlp_block(h, layer, cfg)
+        return L.mlp_block(h, materialize(layer), cfg)
+    # The routed experts' weights stay LayerSlices where the layers are stacked: the grouped kernels index the stacks
+    # (no per-layer copy of all 256 experts); XLA's ops get arrays.
+    moe = layer.mlp
+    layer = materialize(layer)
+    if not reference:
+        moe = dataclasses.replace(layer.mlp, gate=moe.gate, up=moe.up, down=moe.down)
+    else:
+        moe = layer.mlp
     b = L.rmsnorm(h, layer.mlp_norm, cfg.rms_norm_eps)
-    return h + moe_mlp(b, layer.mlp, cfg, interpret=_interpret(interpret), blocks=blocks, reference=reference)
+    return h + moe_mlp(b, moe, cfg, interpret=_interpret(interpret), blocks=blocks, reference=reference)
 
 
 def blocks():
     """model.Blocks with the prefill halves (for model_step with T > 1)."""
     from flint_jax.model import Blocks
-    return Blocks(attention_block, mlp_block)
+    return Blocks(attention_block, mlp_block, takes_layer_slices=True)

@@ -85,10 +85,11 @@ def prefill(params: Params, state: KVState, tokens, n_new, keys: jax.Array, temp
         raise ValueError(f"reset must have one flag per row ({B}), got shape {reset.shape}")
     parts = segments(cfg.num_hidden_layers, cuts)
     x, caches, lengths = tokens, [], None
+    layers = M.layers_of(params)
     for k, (lo, hi) in enumerate(parts):
         last = k == len(parts) - 1
         x, out, lengths = segment(
-            x, params.embed if k == 0 else None, params.layers[lo:hi], state.layers[lo:hi], state.lengths, n_new,
+            x, params.embed if k == 0 else None, layers[lo:hi], state.layers[lo:hi], state.lengths, n_new,
             reset, (params.final_norm, params.lm_head) if last else None,
             *((keys, temperature, top_k, top_p) if last else (None,) * 4), cfg=cfg, impl=impl, first=lo)
         caches.extend(out)

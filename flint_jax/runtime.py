@@ -17,6 +17,7 @@ class Runtime:
     stop_token_ids: tuple[int, ...]
     description: str
     chat_template: str | None = None
+    params_shared: bool = False  # params are also held elsewhere (a cache): never consume them
     default_tools: list | None = None  # tools offered when the user names none (the demo model's own)
 
 
@@ -42,3 +43,15 @@ def runtime_from_path(path: str) -> Runtime:
     return Runtime(model.cfg, model.params, tok, stop_token_ids=tuple(tok.stop_token_ids),
                    description=f"{path} ({model.cfg.num_hidden_layers} layers)",
                    chat_template=model.chat_template)
+
+
+def engine_params(rt: Runtime, impl: str):
+    """The parameters an Engine with `impl` runs on: for "pallas" the layers stacked into a few buffers
+    (flint_jax.layer_stack: ~190 buffers per decode call for Flint instead of ~1,930, which the host hands over on
+    every step), consuming the runtime's per-layer arrays unless they are shared, so a model that fills the device
+    is not held twice; the XLA reference keeps the per-layer arrays (slices of stacks would be copies there)."""
+    if impl != "pallas":
+        return rt.params
+    from flint_jax.layer_stack import stack_layers
+    rt.params = stack_layers(rt.params, delete=not rt.params_shared)
+    return rt.params

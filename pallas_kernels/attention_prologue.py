@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from flint_jax import layer_stack
 from flint_jax import layers as L
 from flint_jax.config import FlintConfig
 from flint_jax.pallas_kernels import gemv as G
@@ -118,11 +119,12 @@ def qkv_projection(h: jax.Array, attn_norm: jax.Array, attn, cfg: FlintConfig, i
         nw = nw.reshape(H // wt.GROUP, wt.GROUP)
     kernel = functools.partial(_qkv_kernel, spec=specs[0], mp=mp, blocks=blocks, eps=float(cfg.rms_norm_eps),
                                row_blocks=tuple(row_blocks), col0=tuple(col0), ptx=not interpret)
+    operands, in_specs = layer_stack.kernel_args([wt.x_operand(x, x_kind), nw, *args])
     out = pl.pallas_call(
-        kernel, grid=(total // bn,), out_shape=jax.ShapeDtypeStruct((mp, total), BF16),
+        kernel, grid=(total // bn,), out_shape=jax.ShapeDtypeStruct((mp, total), BF16), in_specs=in_specs,
         compiler_params=_params(num_warps=blocks.num_warps, num_stages=blocks.num_stages), interpret=interpret,
         name="qkv_projection",
-    )(wt.x_operand(x, x_kind), nw, *args)
+    )(*operands)
     return out[:B].reshape(B, Hq + 2 * KV, D)
 
 
@@ -231,12 +233,13 @@ def finish_and_write(qkv: jax.Array, attn, cache, positions: jax.Array, active: 
     cache_in = [cache.k, cache.v] + ([cache.pos] if ring else [])
     out_shape = [jax.ShapeDtypeStruct((B, Hq, D), BF16)] + [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in cache_in]
     n_in = 6
+    operands, in_specs = layer_stack.kernel_args([qkv, attn.q_norm, attn.k_norm, rope_tables(cfg),
+                                                  positions.astype(jnp.int32), active.astype(jnp.int32), *cache_in])
     outs = pl.pallas_call(
-        kernel, grid=(B, KV), out_shape=out_shape,
+        kernel, grid=(B, KV), out_shape=out_shape, in_specs=in_specs,
         input_output_aliases={n_in + i: 1 + i for i in range(len(cache_in))},
         compiler_params=_params(num_warps=4, num_stages=1), interpret=interpret, name="attention_finish_qk",
-    )(qkv, attn.q_norm, attn.k_norm, rope_tables(cfg), positions.astype(jnp.int32),
-      active.astype(jnp.int32), *cache_in)
+    )(*operands)
     q = outs[0]
     cache = RingCache(k=outs[1], v=outs[2], pos=outs[3]) if ring else FullCache(k=outs[1], v=outs[2])
     return q, cache

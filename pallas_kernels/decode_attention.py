@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from flint_jax import layer_stack
 from flint_jax import layers as L
 from flint_jax.config import FlintConfig
 from flint_jax.pallas_kernels.attention_prologue import (ROWS, check_cache, finish_heads, load_raw_heads,
@@ -363,11 +364,13 @@ def combine(acc, m, l, sinks, positions, active, *, ring: bool, fused: bool, min
     may be padded past it to a power of two)."""
     B, Hq, S, D = acc.shape
     kernel = functools.partial(_combine_kernel, ring=ring, fused=fused, splits=splits or S, min_chunk=min_chunk)
+    operands, in_specs = layer_stack.kernel_args([acc, m, l, sinks.astype(F32), positions.astype(jnp.int32),
+                                                  active.astype(jnp.int32)])
     return pl.pallas_call(
-        kernel, grid=(B, Hq), out_shape=jax.ShapeDtypeStruct((B, Hq, D), BF16),
+        kernel, grid=(B, Hq), out_shape=jax.ShapeDtypeStruct((B, Hq, D), BF16), in_specs=in_specs,
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
         name="decode_attention_combine",
-    )(acc, m, l, sinks.astype(F32), positions.astype(jnp.int32), active.astype(jnp.int32))
+    )(*operands)
 
 
 def _attention_call(mode, first_args, cache, positions, active, sinks, cfg, sliding, splits, min_chunk, interpret):
@@ -409,11 +412,12 @@ def _attention_call(mode, first_args, cache, positions, active, sinks, cfg, slid
                                G=cfg.q_per_kv, D=D, window=cfg.sliding_window, n_slots=n_slots, splits=splits,
                                min_chunk=min_chunk, eps=cfg.rms_norm_eps, num_refs_in=len(args),
                                combine_here=combine_here, compiled=not interpret)
+    operands, in_specs = layer_stack.kernel_args(args)
     outs = pl.pallas_call(
-        kernel, grid=(B, KV, splits), out_shape=out_shape, input_output_aliases=aliases,
+        kernel, grid=(B, KV, splits), out_shape=out_shape, input_output_aliases=aliases, in_specs=in_specs,
         compiler_params=plgpu.CompilerParams(num_warps=RING_NUM_WARPS if ring else NUM_WARPS, num_stages=NUM_STAGES),
         interpret=interpret, name=f"decode_attention_{mode}_{'ring' if ring else 'full'}",
-    )(*args)
+    )(*operands)
     if splits == 1:
         o, rest = outs[0], outs[1:]
     elif combine_here:

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from flint_jax import layers
+from flint_jax import layer_stack, layers
 from flint_jax.params import Linear
 from flint_jax.pallas_kernels import weight_tiles as wt
 
@@ -176,10 +176,11 @@ def _call(x, ws, *, norm_weight, eps, residual, interpret, mode, block):
         operands.append(nw.reshape(k // wt.GROUP, wt.GROUP) if x_kind == "nvfp4" else nw)
     for s, ops in specs_ops:
         operands.extend(wt.dot_operands(s, ops) if blocks.dot else ops)
-    in_specs = [pl.no_block_spec] * len(operands)
+    specs = [None] * len(operands)
     if residual is not None:
         operands.append(wt.pad_rows(residual.astype(BF16), mp))
-        in_specs.append(pl.BlockSpec((mp, blocks.bn), lambda j: (0, j)))
+        specs.append(pl.BlockSpec((mp, blocks.bn), lambda j: (0, j)))
+    operands, in_specs = layer_stack.kernel_args(operands, specs)
     out_dtype = F32 if mode == "logits" else BF16
     kernel = functools.partial(_gemv_kernel, spec=spec, n_weights=len(ws), mp=mp, blocks=blocks,
                                has_norm=norm_weight is not None, has_res=residual is not None, eps=float(eps),

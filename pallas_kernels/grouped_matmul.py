@@ -46,7 +46,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from flint_jax import layers as L
-from flint_jax import nvfp4
+from flint_jax import layer_stack, nvfp4
 from flint_jax.nvfp4 import NVFP4Weight
 from flint_jax.pallas_kernels import weight_tiles as wt
 
@@ -202,10 +202,19 @@ def _weight_operands(w) -> tuple[str, int, int, int, tuple[jax.Array, ...]]:
         if half % GROUP:
             raise ValueError(f"NVFP4 expert weight: K={2 * half} must be a multiple of {2 * GROUP} (whole scale "
                              "groups in each half)")
-        scales = jax.lax.bitcast_convert_type(w.scales, jnp.uint8)
-        gs = jnp.broadcast_to(jnp.asarray(w.global_scale, F32), (E,))
+        if layer_stack.is_slice(w.scales):
+            # A layer of stacked parameters: a bitcast here would copy the whole stack; the kernel's scale decode
+            # (nvfp4.decode_scales) bit-casts the E4M3 tiles it loads instead.
+            scales, gs = w.scales, w.global_scale
+            if gs.shape != (E,) or gs.dtype != F32:
+                raise ValueError(f"stacked NVFP4 expert weight: global scale must be float32 [{E}], got "
+                                 f"{gs.dtype} {gs.shape}")
+        else:
+            scales = jax.lax.bitcast_convert_type(w.scales, jnp.uint8)
+            gs = jnp.broadcast_to(jnp.asarray(w.global_scale, F32), (E,))
         return "nvfp4", E, N, 2 * half, (w.codes, scales, gs)
-    w = jnp.asarray(w)
+    if not layer_stack.is_slice(w):
+        w = jnp.asarray(w)
     if w.ndim != 3 or w.dtype != BF16:
         raise ValueError(f"stacked expert weights are BF16 [E, N, K] or NVFP4, got {w.dtype} {w.shape}")
     E, N, K = w.shape
@@ -389,13 +398,14 @@ def _call(x, ws, group_sizes, *, mode, layout=None, interpret=False, block=None,
     # One launch per tile size; each writes only its visits' rows, the later ones into the first one's output.
     for b, lay in zip([blk] + tail_blks, layouts):
         operands = [lay.expert, lay.row0, lay.lo, lay.hi, *shared] + ([out] if out is not None else [])
+        operands, in_specs = layer_stack.kernel_args(operands)
         kernel = functools.partial(_kernel, kind=kind, n_w=len(ws), mode=mode, blk=b, k=K, gather=rows is not None,
                                    scatter=out_rows is not None, chained=out is not None, interpret=interpret)
         out = pl.pallas_call(
             kernel,
             out_shape=jax.ShapeDtypeStruct((out_len, N), BF16),
             grid=(N // b.bn, lay.expert.shape[0]),
-            in_specs=[pl.no_block_spec] * len(operands),
+            in_specs=in_specs,
             out_specs=pl.no_block_spec,
             input_output_aliases={len(operands) - 1: 0} if out is not None else {},
             compiler_params=plt.CompilerParams(num_warps=b.num_warps, num_stages=b.num_stages),

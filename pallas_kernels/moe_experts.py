@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from flint_jax import layers
+from flint_jax import layer_stack, layers
 from flint_jax.config import FlintConfig
 from flint_jax.pallas_kernels import gemv as gemv_mod
 from flint_jax.pallas_kernels import router as router_mod
@@ -223,11 +223,12 @@ def expert_gate_up(b: jax.Array, logits: jax.Array, moe, cfg: FlintConfig, *, in
     if emit_routing:
         kp = wt.pow2_rows(k)
         out_shape += [jax.ShapeDtypeStruct((m, kp), jnp.int32), jax.ShapeDtypeStruct((m, kp), F32)]
+    operands, in_specs = layer_stack.kernel_args(operands)
     outs = pl.pallas_call(
         kernel,
         out_shape=out_shape,
         grid=(pairs, g_spec.n // bn),
-        in_specs=[pl.no_block_spec] * len(operands),
+        in_specs=in_specs,
         out_specs=[pl.no_block_spec] * len(out_shape),
         compiler_params=plt.CompilerParams(num_warps=warps, num_stages=stages),
         interpret=interpret,
@@ -285,7 +286,7 @@ def expert_down(act: jax.Array, logits: jax.Array, moe, cfg: FlintConfig, residu
     table = DOWN_BLOCK if d_spec.kind == "nvfp4" else BF16_DOWN_BLOCK
     bn, bk, warps, stages, _, _ = _pick(hidden, d_spec.k, d_spec.kind, block or table)
     operands.append(residual.astype(BF16))
-    in_specs = [pl.no_block_spec] * len(operands)
+    operands, in_specs = layer_stack.kernel_args(operands)
     kernel = functools.partial(_down_kernel, m=m, k=k, d_spec=d_spec, s_spec=s_spec, bn=bn, bk=bk,
                                norm=bool(cfg.norm_topk_prob), scaling=float(cfg.routed_scaling_factor))
     return pl.pallas_call(
@@ -310,7 +311,7 @@ def moe_block(h: jax.Array, layer, cfg: FlintConfig, *, interpret: bool = False,
     flat = h.reshape(-1, h.shape[-1])
     from flint_jax.pallas_kernels import moe_persistent  # it builds on this module's tile functions
     if PERSISTENT and not blocks and flat.shape[0] <= moe_persistent.PERSISTENT_MAX_ROWS:
-        return moe_persistent.moe_block_persistent(h, layer, cfg, interpret=interpret)
+        return moe_persistent.moe_block_persistent(h, layer_stack.materialize(layer), cfg, interpret=interpret)
     moe = layer.mlp
     block = blocks.get("router", ROUTER_BLOCK)
     if ROUTE_IN_ROUTER:

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from flint_jax import layers
+from flint_jax import layer_stack, layers
 from flint_jax.config import FlintConfig
 from flint_jax.pallas_kernels import weight_tiles as wt
 
@@ -158,7 +158,7 @@ def router_logits(h: jax.Array, router: jax.Array, *, norm_weight: jax.Array | N
     bk = wt.largest_pow2_divisor(hidden, bk)
     hp = wt.pad_rows(h.astype(BF16), mp)
     nw = norm_weight.astype(BF16) if norm_weight is not None else jnp.ones((hidden,), BF16)
-    args = [hp, nw, router[None].astype(F32)]
+    args = [hp, nw, wt.lead_axis(router).astype(F32)]
     out_shape = [jax.ShapeDtypeStruct((mp, e), F32), jax.ShapeDtypeStruct((mp, hidden), BF16)]
     aliases, sel = {}, None
     if select is not None:
@@ -172,10 +172,12 @@ def router_logits(h: jax.Array, router: jax.Array, *, norm_weight: jax.Array | N
         aliases = {len(args) - 1: len(out_shape) - 1}
     kernel = functools.partial(_logits_kernel, mp=mp, be=be, bk=bk, eps=float(eps),
                                has_norm=norm_weight is not None, select=sel, compiled=not interpret)
+    args, in_specs = layer_stack.kernel_args(args)
     outs = pl.pallas_call(
         kernel,
         out_shape=tuple(out_shape),
         grid=(e // be,),
+        in_specs=in_specs,
         input_output_aliases=aliases,
         compiler_params=plt.CompilerParams(num_warps=warps, num_stages=stages),
         interpret=interpret,
@@ -224,7 +226,7 @@ def top_k_experts(logits: jax.Array, bias: jax.Array, cfg: FlintConfig, *, inter
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="router_top_k",
-    )(logits, bias.astype(F32))
+    )(logits, layer_stack.value(bias).astype(F32))
     return ids[:m, :k], w[:m, :k]
 
 

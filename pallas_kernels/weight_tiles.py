@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from flint_jax import nvfp4
+from flint_jax import layer_stack, nvfp4
 from flint_jax.nvfp4 import NVFP4Weight, decode_codes, decode_scales
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -57,23 +57,35 @@ class WeightSpec:
         return 3 if self.kind == "nvfp4" else 1
 
 
-def weight_operands(w, stacked: bool = False) -> tuple[WeightSpec, tuple[jax.Array, ...]]:
-    """The kernel operands of a Linear (`[N, K]`, or `[E, N, K]` with stacked=True); see the module docstring."""
+def lead_axis(a):
+    """`a[None]`, also for a layer of a stacked parameter (layer_stack.LayerSlice)."""
+    return a.expand() if layer_stack.is_slice(a) else a[None]
+
+
+def weight_operands(w, stacked: bool = False) -> tuple[WeightSpec, tuple]:
+    """The kernel operands of a Linear (`[N, K]`, or `[E, N, K]` with stacked=True); see the module docstring.
+    Arrays that are layers of stacked parameters stay LayerSlices (pass the operands through
+    `layer_stack.kernel_args`)."""
     if isinstance(w, NVFP4Weight):
-        codes, scales, gs = w.codes, w.scales, jnp.asarray(w.global_scale, F32)
+        codes, scales, gs = w.codes, w.scales, w.global_scale
+        if not layer_stack.is_slice(gs):
+            gs = jnp.asarray(gs, F32)
+        elif gs.dtype != F32:
+            raise ValueError(f"NVFP4 global scale must be float32, got {gs.dtype}")
         if not stacked:
-            codes, scales, gs = codes[None], scales[None], gs.reshape(1)
+            codes, scales, gs = lead_axis(codes), lead_axis(scales), gs.reshape(1)
         e, n, half = codes.shape
         k = 2 * half
         if k % (2 * GROUP):
             raise ValueError(f"NVFP4 weight: K={k} must be a multiple of {2 * GROUP}")
         codes = codes.reshape(e, n, half // GROUP, GROUP)
         return WeightSpec("nvfp4", e, n, k), (codes, scales, gs.reshape(e))
-    w = jnp.asarray(w)
+    if not layer_stack.is_slice(w):
+        w = jnp.asarray(w)
     if w.dtype != BF16:
         raise ValueError(f"linear weights are BF16 or NVFP4, got {w.dtype}")
     if not stacked:
-        w = w[None]
+        w = lead_axis(w)
     e, n, k = w.shape
     return WeightSpec("bf16", e, n, k), (w,)
 

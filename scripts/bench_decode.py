@@ -42,6 +42,7 @@ from flint_jax import device_trace  # noqa: E402
 from flint_jax import engine as E  # noqa: E402
 from flint_jax import model as M  # noqa: E402
 from flint_jax.config import FlintConfig  # noqa: E402
+from flint_jax.layer_stack import StackedParams, stack_layers  # noqa: E402
 from flint_jax.params import init_params, weight_bytes_per_token  # noqa: E402
 from flint_jax.state import FullCache, KVState, RingCache, kv_bytes_read  # noqa: E402
 
@@ -215,7 +216,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="directory for results.json and results.md")
     ap.add_argument("--tiny", action="store_true", help="FlintConfig.tiny() smoke run (CPU)")
     ap.add_argument("--weights", default="nvfp4,bf16")
-    ap.add_argument("--impls", default="xla,pallas")
+    ap.add_argument("--impls", default="xla,pallas:stacked",
+                    help="impls in order; ':stacked' runs on the layers' parameters stacked (flint_jax.layer_stack, "
+                         "done in place when first asked for: later entries run stacked too)")
     ap.add_argument("--batches", default="1,2,4,8")
     ap.add_argument("--contexts", default="8192,32768,100000,262144")
     ap.add_argument("--xla-points", default="1:8192,1:100000",
@@ -253,7 +256,16 @@ def main(argv=None) -> int:
         params = init_params(cfg, jax.random.key(1), weights)  # eager: one small program per leaf shape
         jax.block_until_ready(params)
         log(f"{weights}: synthetic params built in {time.time() - t:.1f}s")
-        for impl in args.impls.split(","):
+        for entry in args.impls.split(","):
+            impl, _, layout = entry.partition(":")
+            if layout not in ("", "stacked") or impl not in ("xla", "pallas"):
+                raise SystemExit(f"bench_decode: bad impl {entry!r} (want xla, pallas, or either with :stacked)")
+            if layout == "stacked" and not isinstance(params, StackedParams):
+                t = time.time()
+                params = stack_layers(params, delete=True)
+                jax.block_until_ready(params)
+                log(f"{weights}: layers stacked into {len(params.stacks)} buffers in {time.time() - t:.1f}s")
+            layout = "stacked" if isinstance(params, StackedParams) else "layers"
             forward, served = make_steps(cfg, impl)
             if impl == "xla":
                 plan = [(b, [c]) for b, c in xla_points]  # allocation sized to the context
@@ -275,7 +287,9 @@ def main(argv=None) -> int:
                 lowered = forward.lower(params, state, tokens, state.lengths)
                 compiled = lowered.compile()
                 kernels = count_kernels(compiled)
-                log(f"{weights}/{impl} B={batch}: compiled forward in {time.time() - t:.1f}s")
+                buffers = len(jax.tree.leaves(params)) + len(jax.tree.leaves(state))
+                log(f"{weights}/{impl} ({layout}) B={batch}: compiled forward in {time.time() - t:.1f}s, "
+                    f"{buffers} argument buffers")
                 for ctx in ctxs:
                     if over_budget():
                         break
@@ -283,7 +297,8 @@ def main(argv=None) -> int:
                     fwd_ms, state = time_steps(compiled, params, state, tokens, (), args.iters, ctx)
                     tdir = os.path.join(args.out, "traces", f"{weights}_{impl}_b{batch}_{ctx}")
                     dev_ms, launched, summary, state = device_time(compiled, params, state, tokens, (), ctx, tdir)
-                    point = {"weights": weights, "impl": impl, "batch": batch, "context": ctx,
+                    point = {"weights": weights, "impl": impl, "layout": layout, "argument_buffers": buffers,
+                             "batch": batch, "context": ctx,
                              "forward_wall_ms": fwd_ms, "forward_device_ms": dev_ms,
                              # launched per step in the trace where there is one; else the compiled program's
                              # entry instructions (an undercount: command-buffer calls hide their kernels)
@@ -339,15 +354,18 @@ def write_markdown(results: dict, path: str) -> None:
              "Forward and served ms are the device time per step (profiler trace: first kernel start to last kernel "
              "end), wall ms the host-timed step, which includes dispatch when the host is slower than the GPU.",
              "Served burst: the engine's decode_steps, several steps per dispatch, wall ms per token.",
-             "", "| weights | impl | batch | context | forward ms | forward wall ms | served ms | served wall ms "
-             "| served burst wall ms/token | kernels | GB/step | roofline ms | % HBM |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "Parameters: per-layer arrays, or the layers stacked (flint_jax.layer_stack); buffers: the arrays the "
+             "host hands the step per call (parameters + state).",
+             "", "| weights | impl | parameters | buffers | batch | context | forward ms | forward wall ms | served ms "
+             "| served wall ms | served burst wall ms/token | kernels | GB/step | roofline ms | % HBM |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def ms(p, key):
         v = p.get(key)
         return f"{v:.3f}" if isinstance(v, (int, float)) else ""
     for p in results["points"]:
-        lines.append(f"| {p['weights']} | {p['impl']} | {p['batch']} | {p['context']} | {ms(p, 'forward_ms')} | "
+        lines.append(f"| {p['weights']} | {p['impl']} | {p.get('layout', 'layers')} | {p.get('argument_buffers', '')} "
+                     f"| {p['batch']} | {p['context']} | {ms(p, 'forward_ms')} | "
                      f"{ms(p, 'forward_wall_ms')} | {ms(p, 'served_ms')} | {ms(p, 'served_wall_ms')} | "
                      f"{ms(p, 'served_burst_wall_ms_per_token')} | {p['kernels']} | {p['bytes'] / 1e9:.2f} | "
                      f"{p['roofline_ms']:.3f} | {100 * p['hbm_fraction']:.0f}% |")
@@ -370,7 +388,7 @@ def vllm_table(results: dict) -> list[str]:
            "|---|---|---|---|---|"]
 
     def cell(weights, impl, key, fmt):
-        for p in ones:
+        for p in reversed(ones):  # the impl's last variant (e.g. pallas with stacked parameters)
             if (p["weights"], p["impl"], p["context"]) == (weights, impl, ctx) and p.get(key) is not None:
                 return fmt.format(p[key])
         return "-"
@@ -378,6 +396,7 @@ def vllm_table(results: dict) -> list[str]:
         rows = [("decode forward ms", VLLM_GB200.get(f"{weights}_forward_ms"), "forward_ms", "{:.3f}"),
                 ("served ms/token (one step per call)", VLLM_GB200["served_ms"] if weights == "nvfp4" else None,
                  "served_ms", "{:.3f}"),
+                ("served ms/token wall, one step per call", None, "served_wall_ms", "{:.3f}"),
                 ("served ms/token wall, engine burst", None, "served_burst_wall_ms_per_token", "{:.3f}"),
                 ("kernels per step", VLLM_GB200["kernels"], "kernels", "{}"),
                 ("% of HBM bandwidth", None, "hbm_fraction", "{:.0%}")]

@@ -3,12 +3,13 @@
 `bench_decode.py` times the jitted step back to back (device time, and wall time with JAX's asynchronous dispatch
 overlapping the host and the device); the engine also reads every burst's tokens back to the host to stream and
 stop requests. This script runs `Engine.generate` on one prompt at the Flint shape with synthetic weights
-(`--tiny`: FlintConfig.tiny() on the CPU, a smoke run) for each (steps per dispatch, overlap_dispatch) variant and
-reports the completion's decode ms/token (first to last token, wall clock) and TTFT, median over `--repeats`.
+(`--tiny`: FlintConfig.tiny() on the CPU, a smoke run) for each (steps per dispatch, overlap_dispatch, parameter
+layout) variant and reports the completion's decode ms/token (first to last token, wall clock) and TTFT, median
+over `--repeats`.
 No stop tokens: every request runs to `--new-tokens`.
 
     python scripts/bench_engine.py --out DIR [--weights nvfp4] [--prompt-tokens 8192] [--new-tokens 128]
-                                   [--variants 1:off,1:on,4:off,4:on] [--repeats 3]
+                                   [--variants 1:off,1:off:stacked,4:on:stacked] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -30,18 +31,23 @@ import numpy as np  # noqa: E402
 from bench_decode import log  # noqa: E402
 from flint_jax.config import FlintConfig  # noqa: E402
 from flint_jax.engine import Engine  # noqa: E402
+from flint_jax.layer_stack import StackedParams, stack_layers  # noqa: E402
 from flint_jax.params import init_params  # noqa: E402
 from flint_jax.sampling import SamplingParams  # noqa: E402
 
 
-def parse_variants(text: str) -> list[tuple[int, bool]]:
-    """"1:off,4:on" -> [(1, False), (4, True)]."""
+def parse_variants(text: str) -> list[tuple[int, bool, bool]]:
+    """"1:off,4:on:stacked" -> [(1, False, False), (4, True, True)]: steps per dispatch, overlap_dispatch, and
+    whether the layers' parameters are stacked (flint_jax.layer_stack; default: per-layer arrays)."""
     out = []
     for item in text.split(","):
-        steps, _, overlap = item.partition(":")
-        if not steps.isdigit() or int(steps) < 1 or overlap not in ("on", "off"):
-            raise SystemExit(f"bench_engine: bad variant {item!r} (want STEPS:on or STEPS:off, e.g. 4:on)")
-        out.append((int(steps), overlap == "on"))
+        steps, overlap, *rest = item.split(":")
+        layout = rest[0] if rest else "layers"
+        if not steps.isdigit() or int(steps) < 1 or overlap not in ("on", "off") or len(rest) > 1 \
+                or layout not in ("layers", "stacked"):
+            raise SystemExit(f"bench_engine: bad variant {item!r} (want STEPS:on|off[:layers|stacked], "
+                             "e.g. 4:on or 1:off:stacked)")
+        out.append((int(steps), overlap == "on", layout == "stacked"))
     return out
 
 
@@ -53,11 +59,12 @@ def main(argv=None) -> int:
     ap.add_argument("--impl", default="pallas", choices=("xla", "pallas"))
     ap.add_argument("--prompt-tokens", type=int, default=8192)
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--variants", default="1:off,1:on,4:off,4:on",
-                    help="STEPS:on|off pairs: steps per dispatch and overlap_dispatch")
+    ap.add_argument("--variants", default="1:off,1:off:stacked,4:on:stacked",
+                    help="STEPS:on|off[:layers|stacked]: steps per dispatch, overlap_dispatch, parameter layout "
+                         "(per-layer variants run first; the parameters are then stacked in place)")
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args(argv)
-    variants = parse_variants(args.variants)
+    variants = sorted(parse_variants(args.variants), key=lambda v: v[2])  # per-layer first: stacking consumes them
     cfg = FlintConfig.tiny() if args.tiny else FlintConfig.flint()
     if args.tiny:
         args.prompt_tokens, args.new_tokens = min(args.prompt_tokens, 40), min(args.new_tokens, 12)
@@ -72,12 +79,19 @@ def main(argv=None) -> int:
     sampling = SamplingParams(max_tokens=args.new_tokens, seed=7)  # the defaults 1.0 / 0.95 / 20, no stop tokens
     max_len = args.prompt_tokens + args.new_tokens + 8
     rows, tokens_seen = [], None
-    for steps, overlap in variants:
+    for steps, overlap, stacked in variants:
+        if stacked and not isinstance(params, StackedParams):
+            t = time.time()
+            params = stack_layers(params, delete=True)
+            jax.block_until_ready(params)
+            log(f"layers stacked: {len(params.stacks)} stacks in {time.time() - t:.1f}s")
         engine = Engine(cfg, params, max_batch=1, max_len=max_len, chunk_size=min(args.prompt_tokens, 8192),
                         impl=args.impl, steps_per_dispatch=steps, overlap_dispatch=overlap)
         t = time.time()
         engine.generate([prompt], SamplingParams(max_tokens=2 * steps + 1, seed=7))  # compiles prefill and decode
-        log(f"{steps} steps per dispatch, overlap {'on' if overlap else 'off'}: warm-up {time.time() - t:.1f}s")
+        layout = "stacked" if stacked else "layers"
+        log(f"{steps} steps per dispatch, overlap {'on' if overlap else 'off'}, {layout}: warm-up "
+            f"{time.time() - t:.1f}s")
         ms, ttft, same = [], [], True
         for _ in range(args.repeats):
             done = engine.generate([prompt], sampling)[0]
@@ -89,7 +103,9 @@ def main(argv=None) -> int:
             same &= done.tokens == tokens_seen
             ms.append(done.decode_ms_per_token)
             ttft.append(done.ttft_s)
-        row = {"steps_per_dispatch": steps, "overlap_dispatch": overlap, "decode_ms_per_token": statistics.median(ms),
+        row = {"steps_per_dispatch": steps, "overlap_dispatch": overlap, "layout": layout,
+               "argument_buffers": len(jax.tree.leaves(params)) + len(jax.tree.leaves(engine.state)),
+               "decode_ms_per_token": statistics.median(ms),
                "decode_ms_per_token_all": ms, "ttft_s": statistics.median(ttft), "same_tokens_as_first": same}
         rows.append(row)
         log(f"  decode {row['decode_ms_per_token']:.3f} ms/token (runs {', '.join(f'{v:.3f}' for v in ms)}), "
@@ -102,9 +118,11 @@ def main(argv=None) -> int:
         json.dump(report, f, indent=1)
     lines = [f"Engine.generate, batch 1, {args.weights}/{args.impl}, prompt {args.prompt_tokens} tokens, "
              f"{args.new_tokens} new tokens, {report['config']} config, {dev.device_kind}, {report['date']}.", "",
-             "| steps per dispatch | overlap_dispatch | decode ms/token (wall) | TTFT s | tokens as the first row |",
-             "|---|---|---|---|---|"]
-    lines += [f"| {r['steps_per_dispatch']} | {'on' if r['overlap_dispatch'] else 'off'} | "
+             "| steps per dispatch | overlap_dispatch | parameters | argument buffers | decode ms/token (wall) "
+             "| TTFT s | tokens as the first row |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['steps_per_dispatch']} | {'on' if r['overlap_dispatch'] else 'off'} | {r['layout']} | "
+              f"{r['argument_buffers']} | "
               f"{r['decode_ms_per_token']:.3f} | {r['ttft_s']:.3f} | {'yes' if r['same_tokens_as_first'] else 'no'} |"
               for r in rows]
     with open(os.path.join(args.out, "engine.md"), "w") as f:

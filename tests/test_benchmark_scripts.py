@@ -16,11 +16,13 @@ def run_script(name, *args, timeout=900):
 
 
 def test_bench_decode_tiny(tmp_path):
-    run_script("bench_decode.py", "--tiny", "--out", str(tmp_path), "--weights", "nvfp4", "--impls", "xla,pallas",
-               "--batches", "1")
+    run_script("bench_decode.py", "--tiny", "--out", str(tmp_path), "--weights", "nvfp4", "--impls",
+               "xla,pallas:stacked", "--batches", "1")
     res = json.loads((tmp_path / "results.json").read_text())
-    impls = {p["impl"] for p in res["points"]}
-    assert impls == {"xla", "pallas"}
+    layouts = {p["impl"]: p["layout"] for p in res["points"]}
+    assert layouts == {"xla": "layers", "pallas": "stacked"}
+    buffers = {p["impl"]: p["argument_buffers"] for p in res["points"]}
+    assert buffers["pallas"] < buffers["xla"] / 2
     for p in res["points"]:
         assert p["forward_ms"] > 0 and p["forward_wall_ms"] > 0 and p["bytes"] > 0 and p["kernels"] > 0
         assert p["forward_device_ms"] is None  # no GPU: no device events, the headline falls back to wall time
@@ -28,7 +30,7 @@ def test_bench_decode_tiny(tmp_path):
     burst = [p for p in res["points"] if "served_steps" in p]
     assert len(burst) == 1 and burst[0]["impl"] == "pallas" and burst[0]["served_burst_wall_ms_per_token"] > 0
     table = (tmp_path / "results.md").read_text()
-    assert "| nvfp4 | pallas | 1 |" in table and "| nvfp4 | xla | 1 |" in table
+    assert "| nvfp4 | pallas | stacked |" in table and "| nvfp4 | xla | layers |" in table
     # the vLLM-shaped summary: initial (xla) and optimized (pallas) columns filled from the measured points
     row = next(line for line in table.splitlines() if line.startswith("| nvfp4 | decode forward ms |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
@@ -50,13 +52,16 @@ def test_profile_decode_rejects_unknown_variant(tmp_path):
 
 
 def test_bench_engine_tiny(tmp_path):
-    """Engine.generate per variant; overlap_dispatch and the burst length leave the tokens unchanged on the CPU."""
-    out = run_script("bench_engine.py", "--tiny", "--out", str(tmp_path), "--variants", "1:off,1:on,3:on",
-                     "--repeats", "1")
+    """Engine.generate per variant; overlap_dispatch, the burst length and stacked parameters leave the tokens
+    unchanged on the CPU, and stacking cuts the buffers handed over per call."""
+    out = run_script("bench_engine.py", "--tiny", "--out", str(tmp_path), "--variants",
+                     "3:on:stacked,1:off,1:on:stacked", "--repeats", "1")
     rows = json.loads((tmp_path / "engine.json").read_text())["rows"]
-    assert [(r["steps_per_dispatch"], r["overlap_dispatch"]) for r in rows] == [(1, False), (1, True), (3, True)]
+    assert [(r["steps_per_dispatch"], r["overlap_dispatch"], r["layout"]) for r in rows] == [
+        (1, False, "layers"), (3, True, "stacked"), (1, True, "stacked")]  # per-layer variants first
     assert all(r["decode_ms_per_token"] > 0 and r["same_tokens_as_first"] for r in rows)
-    assert "| 3 | on |" in out
+    assert rows[1]["argument_buffers"] < rows[0]["argument_buffers"] / 2
+    assert "| 3 | on | stacked |" in out
 
 
 def test_bench_engine_rejects_bad_variant(tmp_path):
