@@ -25,9 +25,11 @@ import numpy as np
 
 from flint_jax.params import Params
 
-# Pallas' Triton lowering computes a kernel's load offsets in 64-bit integers when an operand is larger than 4 GiB
-# (more instructions per load); chunks stay under that.
-MAX_CHUNK_BYTES = 2**32 - 1
+# Pallas' Triton lowering computes a kernel's load offsets (in elements) in 32-bit integers for operands up to 4 GiB
+# and in 64-bit ones above (more instructions per load); Triton's pointer arithmetic sign-extends 32-bit offsets, so an
+# element at 2^31 or beyond would be read from the wrong address. Chunks stay under 2 GiB: every offset is in range
+# for any element size, and no kernel pays for 64-bit offsets.
+MAX_CHUNK_BYTES = 2**31 - 1
 
 
 @jax.tree_util.register_dataclass

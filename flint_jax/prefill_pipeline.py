@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from flint_jax import model as M
 from flint_jax.config import FlintConfig
+from flint_jax.layer_stack import StackedParams
 from flint_jax.params import Params
 from flint_jax.sampling import sample, token_keys
 from flint_jax.state import KVState, reset_slots
@@ -48,10 +49,14 @@ def segments(num_layers: int, cuts: Sequence[int]) -> list[tuple[int, int]]:
 @functools.partial(jax.jit, static_argnames=("cfg", "impl", "first"), donate_argnames=("caches",))
 def _segment(x, embed_table, layers, caches, lengths, n_new, reset, head, keys, temperature, top_k, top_p, *,
              cfg: FlintConfig, impl: str, first: int):
-    """Layers first .. first + len(layers) - 1 of one chunk. x: the tokens [B, T] when embed_table is given (the
-    first segment), else the hidden states [B, T, H] from the previous segment. lengths: the state's lengths before
-    the chunk (rows in `reset` count as empty). head = (final_norm, lm_head) for the last segment, which returns the
-    sampled next token per row and the lengths after the chunk; the others return the hidden states."""
+    """Layers first .. first + len(caches) - 1 of one chunk: `layers` holds their parameters (a tuple), or is the
+    model's StackedParams (its stacks passed once, the segment's layers taken inside). x: the tokens [B, T] when
+    embed_table is given (the first segment), else the hidden states [B, T, H] from the previous segment. lengths:
+    the state's lengths before the chunk (rows in `reset` count as empty). head = (final_norm, lm_head) for the last
+    segment, which returns the sampled next token per row and the lengths after the chunk; the others return the
+    hidden states."""
+    if isinstance(layers, StackedParams):
+        layers = layers.layer_slices()[first:first + len(caches)]
     emptied = reset_slots(KVState(layers=caches, lengths=lengths), reset)
     h = embed_table[x] if embed_table is not None else x
     h, caches = M.run_layers(layers, emptied.layers, h, emptied.lengths, n_new, cfg, impl, first)
@@ -85,11 +90,12 @@ def prefill(params: Params, state: KVState, tokens, n_new, keys: jax.Array, temp
         raise ValueError(f"reset must have one flag per row ({B}), got shape {reset.shape}")
     parts = segments(cfg.num_hidden_layers, cuts)
     x, caches, lengths = tokens, [], None
-    layers = M.layers_of(params)
+    # Stacked parameters go to every segment whole: slices of them would pass each stack once per layer.
+    stacked = isinstance(params, StackedParams)
     for k, (lo, hi) in enumerate(parts):
         last = k == len(parts) - 1
         x, out, lengths = segment(
-            x, params.embed if k == 0 else None, layers[lo:hi], state.layers[lo:hi], state.lengths, n_new,
+            x, params.embed if k == 0 else None, params if stacked else params.layers[lo:hi], state.layers[lo:hi], state.lengths, n_new,
             reset, (params.final_norm, params.lm_head) if last else None,
             *((keys, temperature, top_k, top_p) if last else (None,) * 4), cfg=cfg, impl=impl, first=lo)
         caches.extend(out)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import hashlib
 import json
 import os
 import re
@@ -295,9 +296,18 @@ def main(argv=None) -> int:
                         break
                     # The AOT executable itself: calling `forward` would compile the same program a second time.
                     fwd_ms, state = time_steps(compiled, params, state, tokens, (), args.iters, ctx)
+                    # Every step at this context computes the same hidden states (it rewrites the same cache slot):
+                    # their fingerprint tells whether two variants of one impl (parameter layouts) agree bit for bit.
+                    h, state = compiled(params, state, tokens, jnp.full((batch,), ctx, jnp.int32))
+                    fingerprint = hashlib.sha1(np.asarray(h).tobytes()).hexdigest()[:16]
+                    same = [p["layout"] for p in results["points"]
+                            if (p["weights"], p["impl"], p["batch"], p["context"]) == (weights, impl, batch, ctx)
+                            and p.get("output_sha1") == fingerprint]
+                    log(f"  ctx {ctx:>6}: output {fingerprint}" + (f", the same as {same}" if same else ""))
                     tdir = os.path.join(args.out, "traces", f"{weights}_{impl}_b{batch}_{ctx}")
                     dev_ms, launched, summary, state = device_time(compiled, params, state, tokens, (), ctx, tdir)
                     point = {"weights": weights, "impl": impl, "layout": layout, "argument_buffers": buffers,
+                             "output_sha1": fingerprint,
                              "batch": batch, "context": ctx,
                              "forward_wall_ms": fwd_ms, "forward_device_ms": dev_ms,
                              # launched per step in the trace where there is one; else the compiled program's

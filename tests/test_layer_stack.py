@@ -35,6 +35,10 @@ def test_stacking_round_trips_and_cuts_the_buffer_count(weights, tiny_cfg, tiny_
     assert LS.stack_layers(sp) is sp
 
 
+def test_default_chunks_keep_kernel_offsets_in_32_bits():
+    assert LS.MAX_CHUNK_BYTES < 2**31  # element offsets of any dtype stay below Triton's signed 32-bit range
+
+
 def test_chunks_respect_the_byte_limit(tiny_cfg, tiny_params):
     sizes = [a.nbytes for a in jax.tree.leaves(tiny_params.layers[-1])]
     limit = 2 * max(sizes)
