@@ -125,7 +125,9 @@ class _Slot:
 
 
 class Engine:
-    """Batched generation over a model's `cfg` and `params`.
+    """Batched generation over a model's `cfg` and `params` (`Params`, or `layer_stack.StackedParams`: with
+    impl="pallas" pass stacked parameters, `stack_layers(params, delete=True)`, so each call hands the device ~190
+    buffers instead of ~1,930: 3.64 instead of 5.66-6.27 ms/token at one step per dispatch, runs BN-BO).
 
     max_batch: concurrent requests (<= 8). max_len: longest sequence (prompt + output) a slot can hold.
     chunk_size: prompt tokens per prefill call. impl: "xla" (reference) or "pallas" (fused decode kernels).
@@ -138,7 +140,8 @@ class Engine:
     already in flight, whose tokens for it are discarded. None (default): on when steps_per_dispatch > 1. Measured
     on one H200 (Flint, NVFP4, Pallas, batch 1, 8K prompt; scripts/bench_engine.py, docs/BENCHMARKS.md run BK): 4
     steps per dispatch 3.81 -> 2.61 ms/token with it; 1 step 6.03 -> 7.70 ms/token (by our reading, a dispatch that
-    donates the state waits for the step still using it, so at one step per call the host's work cannot overlap).
+    donates the state waits for the step still using it, so at one step per call the host's work cannot overlap);
+    with stacked parameters 4 steps per dispatch and overlap: 2.37 ms/token (run BN).
     tokenizer / chat_template: needed only by `chat` (a FlintTokenizer; a GGUF's template, else the project's).
     prefill_cuts: layer indices where each prefill chunk is cut into separately dispatched programs, so the host's
     dispatch overlaps the device's work (flint_jax.prefill_pipeline; () runs each chunk as one program).

@@ -163,3 +163,9 @@ def test_bench_kernels_attention_smoke(tmp_path):
     assert len(checked) >= 9  # 5 decode-attention contexts/batches, 4 attention blocks
     assert all(r["rel_err"] < 1e-2 for r in checked)
     assert all("device_us" not in r for r in res["rows"])
+
+
+def test_check_layer_stack_tiny():
+    """The full-shape layout check's CPU smoke run: stacked and per-layer parameters agree bit for bit there."""
+    out = run_script("check_layer_stack.py", "--tiny")
+    assert "prefill (last token): bit-identical True" in out and "decode: bit-identical True" in out
