@@ -118,6 +118,20 @@ def kernel_args(args: Sequence[Any], specs: Sequence[Any] | None = None) -> tupl
     return ops, out_specs
 
 
+def aliased_output(x) -> tuple[jax.ShapeDtypeStruct, Any]:
+    """(out_shape, out_spec) of a kernel output written in place over input x (input_output_aliases): for a
+    LayerSlice the whole stack, with the BlockSpec of its layer, so the kernel writes only that layer."""
+    from jax.experimental import pallas as pl
+    if isinstance(x, LayerSlice):
+        return jax.ShapeDtypeStruct(x.stack.shape, x.stack.dtype), x.block_spec()
+    return jax.ShapeDtypeStruct(x.shape, x.dtype), pl.no_block_spec
+
+
+def like(out: jax.Array, x):
+    """A kernel's aliased output in the form of its input x: the new stack as the same layer's LayerSlice."""
+    return LayerSlice(out, x.index, x.keep_axis) if isinstance(x, LayerSlice) else out
+
+
 @dataclasses.dataclass(frozen=True)
 class _Layout:
     """Where each layer's arrays live: per layer its tree structure and, per leaf, (stack number, index)."""

@@ -23,7 +23,7 @@ from flint_jax import layers as L
 from flint_jax.config import FlintConfig
 from flint_jax.layer_stack import materialize
 from flint_jax.params import Params
-from flint_jax.state import KVState, write_full, write_ring
+from flint_jax.state import KVState, StackedCaches, write_full, write_ring
 
 
 def check_tokens(tokens, cfg: FlintConfig) -> None:
@@ -103,23 +103,29 @@ def run_layers(layers, caches, h: jax.Array, lengths: jax.Array, n_new: jax.Arra
                impl: str = "xla", first: int = 0):
     """Layers first .. first + len(layers) - 1 of the model (their params and caches) on h [B, T, H], row b's first
     n_new[b] tokens real, at positions lengths[b] + t (lengths: what the state held before this chunk). Returns
-    (h, the layers' new caches as a tuple). model_step runs all of them; prefill_pipeline runs them in segments."""
+    (h, the layers' new caches as a tuple). model_step runs all of them; prefill_pipeline runs them in segments.
+    `caches` may also be the whole model's StackedCaches (state.StackedCaches): they come back updated."""
     T = h.shape[1]
     t = jnp.arange(T, dtype=jnp.int32)[None, :]
     positions = lengths[:, None] + t
     valid = t < n_new[:, None]
     lengths_after = lengths + n_new
     blocks = _blocks(impl, T)
+    stacked = isinstance(caches, StackedCaches)
     out = []
-    for j, (layer, cache) in enumerate(zip(layers, caches)):
+    for j, layer in enumerate(layers):
         i = first + j
+        cache = caches.cache(i) if stacked else caches[j]
         if not blocks.takes_layer_slices:
-            layer = materialize(layer)
+            layer, cache = materialize(layer), materialize(cache)
         with jax.named_scope(f"layer{i}"):
             h, cache = blocks.attention(h, layer, cache, positions, valid, lengths_after, cfg, cfg.is_sliding(i))
             h = blocks.mlp(h, layer, cfg)
-        out.append(cache)
-    return h, tuple(out)
+        if stacked:
+            caches = caches.with_cache(i, cache)  # the next layer reads the stacks this one wrote
+        else:
+            out.append(cache)
+    return h, caches if stacked else tuple(out)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -47,7 +47,7 @@ def attention_block(h: jax.Array, layer, cache, positions: jax.Array, valid: jax
     """`h + Wo(attention(rmsnorm(h)))` for a chunk h [B, T, H] at `positions` [B, T] (rows' valid tokens first),
     reading and updating the layer's cache. Returns (h, cache)."""
     interpret = _interpret(interpret)
-    layer = materialize(layer)
+    layer, cache = materialize(layer), materialize(cache)
     B, T, _ = h.shape
     a = L.rmsnorm(h, layer.attn_norm, cfg.rms_norm_eps)
     q, k, v = L.project_qkv(a, layer.attn, positions, cfg, sliding)

@@ -29,7 +29,7 @@ from flint_jax.config import FlintConfig
 from flint_jax.layer_stack import StackedParams
 from flint_jax.params import Params
 from flint_jax.sampling import sample, token_keys
-from flint_jax.state import KVState, reset_slots
+from flint_jax.state import KVState, StackedCaches, reset_slots
 
 # Layer indices where the chunk is cut. The first segment (embedding + the 2 dense layers, ~60 buffers with NVFP4
 # weights) starts the device; the second (6 layers, ~240 buffers, ~0.7 ms of dispatch) is dispatched while the dense
@@ -46,18 +46,18 @@ def segments(num_layers: int, cuts: Sequence[int]) -> list[tuple[int, int]]:
     return list(zip(edges[:-1], edges[1:]))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "impl", "first"), donate_argnames=("caches",))
+@functools.partial(jax.jit, static_argnames=("cfg", "impl", "first", "stop"), donate_argnames=("caches",))
 def _segment(x, embed_table, layers, caches, lengths, n_new, reset, head, keys, temperature, top_k, top_p, *,
-             cfg: FlintConfig, impl: str, first: int):
-    """Layers first .. first + len(caches) - 1 of one chunk: `layers` holds their parameters (a tuple), or is the
-    model's StackedParams (its stacks passed once, the segment's layers taken inside). x: the tokens [B, T] when
-    embed_table is given (the first segment), else the hidden states [B, T, H] from the previous segment. lengths:
-    the state's lengths before the chunk (rows in `reset` count as empty). head = (final_norm, lm_head) for the last
-    segment, which returns the sampled next token per row and the lengths after the chunk; the others return the
-    hidden states."""
+             cfg: FlintConfig, impl: str, first: int, stop: int):
+    """Layers first .. stop - 1 of one chunk: `layers` holds their parameters (a tuple), or is the model's
+    StackedParams (its stacks passed once, the segment's layers taken inside); `caches` their caches (a tuple), or
+    the model's StackedCaches (returned updated). x: the tokens [B, T] when embed_table is given (the first
+    segment), else the hidden states [B, T, H] from the previous segment. lengths: the state's lengths before the
+    chunk (rows in `reset` count as empty). head = (final_norm, lm_head) for the last segment, which returns the
+    sampled next token per row and the lengths after the chunk; the others return the hidden states."""
     if isinstance(layers, StackedParams):
-        layers = layers.layer_slices()[first:first + len(caches)]
-    emptied = reset_slots(KVState(layers=caches, lengths=lengths), reset)
+        layers = layers.layer_slices()[first:stop]
+    emptied = reset_slots(KVState(layers=caches, lengths=lengths), reset, layers=(first, stop))
     h = embed_table[x] if embed_table is not None else x
     h, caches = M.run_layers(layers, emptied.layers, h, emptied.lengths, n_new, cfg, impl, first)
     if head is None:
@@ -90,13 +90,19 @@ def prefill(params: Params, state: KVState, tokens, n_new, keys: jax.Array, temp
         raise ValueError(f"reset must have one flag per row ({B}), got shape {reset.shape}")
     parts = segments(cfg.num_hidden_layers, cuts)
     x, caches, lengths = tokens, [], None
-    # Stacked parameters go to every segment whole: slices of them would pass each stack once per layer.
-    stacked = isinstance(params, StackedParams)
+    # Stacked parameters go to every segment whole (slices of them would pass each stack once per layer); stacked
+    # caches too, each segment updating its layers' rows and handing the stacks to the next.
+    stacked_params = isinstance(params, StackedParams)
+    stacked_caches = state.layers if isinstance(state.layers, StackedCaches) else None
     for k, (lo, hi) in enumerate(parts):
         last = k == len(parts) - 1
         x, out, lengths = segment(
-            x, params.embed if k == 0 else None, params if stacked else params.layers[lo:hi], state.layers[lo:hi], state.lengths, n_new,
-            reset, (params.final_norm, params.lm_head) if last else None,
-            *((keys, temperature, top_k, top_p) if last else (None,) * 4), cfg=cfg, impl=impl, first=lo)
-        caches.extend(out)
-    return x, KVState(layers=tuple(caches), lengths=lengths)
+            x, params.embed if k == 0 else None, params if stacked_params else params.layers[lo:hi],
+            stacked_caches if stacked_caches is not None else state.layers[lo:hi], state.lengths, n_new, reset,
+            (params.final_norm, params.lm_head) if last else None,
+            *((keys, temperature, top_k, top_p) if last else (None,) * 4), cfg=cfg, impl=impl, first=lo, stop=hi)
+        if stacked_caches is not None:
+            stacked_caches = out
+        else:
+            caches.extend(out)
+    return x, KVState(layers=stacked_caches if stacked_caches is not None else tuple(caches), lengths=lengths)

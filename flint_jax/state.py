@@ -8,6 +8,7 @@ arithmetic. Full caches hold position t at index t; `lengths[b]` says how many t
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -34,9 +35,72 @@ class FullCache:
     v: jax.Array  # [B, KV, S, D] bf16
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StackedCaches:
+    """Every layer's cache in two stacks, so a step hands the device 5 cache buffers instead of one to three per layer
+    (flint_jax.layer_stack does the same for the parameters): `ring` holds the sliding layers' RingCaches with a
+    leading layer axis ([n_ring, B, KV, W, D], pos [n_ring, B, W]), `full` the full layers' ([n_full, B, KV, S, D]);
+    `where[i]` says which stack and row layer i uses. `cache(i)` is layer i's cache as LayerSlices of the stacks
+    (what the decode kernels take: they write it in place through an aliased BlockSpec), `with_cache(i, c)` puts a
+    layer's new cache back (the kernels' new stacks, or arrays written into the stack by XLA)."""
+    ring: RingCache | None
+    full: FullCache | None
+    where: tuple[tuple[str, int], ...] = dataclasses.field(metadata=dict(static=True))
+
+    def __len__(self) -> int:
+        return len(self.where)
+
+    def _stack(self, kind: str):
+        return self.ring if kind == "ring" else self.full
+
+    def cache(self, i: int):
+        from flint_jax.layer_stack import LayerSlice
+        kind, j = self.where[i]
+        stack = self._stack(kind)
+        return type(stack)(**{f.name: LayerSlice(getattr(stack, f.name), j) for f in dataclasses.fields(stack)})
+
+    def with_cache(self, i: int, cache) -> "StackedCaches":
+        from flint_jax.layer_stack import LayerSlice
+        kind, j = self.where[i]
+        stack = self._stack(kind)
+        new = {}
+        for f in dataclasses.fields(stack):
+            c = getattr(cache, f.name)
+            if isinstance(c, LayerSlice):  # a kernel's output: the whole new stack
+                if c.index != j or c.keep_axis or c.stack.shape != getattr(stack, f.name).shape:
+                    raise ValueError(f"layer {i}'s cache came back as another layer's slice")
+                new[f.name] = c.stack
+            else:
+                new[f.name] = getattr(stack, f.name).at[j].set(c)
+        stack = type(stack)(**new)
+        return dataclasses.replace(self, **{kind: stack})
+
+    @property
+    def layers(self) -> tuple:
+        """Every layer's cache as arrays (slices of the stacks)."""
+        from flint_jax.layer_stack import materialize
+        return tuple(materialize(self.cache(i)) for i in range(len(self)))
+
+
+def stack_caches(caches: Sequence[RingCache | FullCache]) -> StackedCaches:
+    """Per-layer caches -> StackedCaches (copies)."""
+    where, rings, fulls = [], [], []
+    for c in caches:
+        group = rings if isinstance(c, RingCache) else fulls
+        where.append(("ring" if group is rings else "full", len(group)))
+        group.append(c)
+
+    def stack(group, cls):
+        if not group:
+            return None
+        return cls(**{f.name: jnp.stack([getattr(c, f.name) for c in group]) for f in dataclasses.fields(cls)})
+    return StackedCaches(ring=stack(rings, RingCache), full=stack(fulls, FullCache), where=tuple(where))
+
+
 @_pytree
 class KVState:
-    layers: tuple[RingCache | FullCache, ...]
+    layers: tuple[RingCache | FullCache, ...] | StackedCaches
     lengths: jax.Array  # [B] int32: tokens held per sequence
 
     @property
@@ -45,12 +109,14 @@ class KVState:
 
     @property
     def max_len(self) -> int:
+        if isinstance(self.layers, StackedCaches):
+            return self.layers.full.k.shape[3] if self.layers.full is not None else 0
         full = [c for c in self.layers if isinstance(c, FullCache)]
         return full[0].k.shape[2] if full else 0
 
 
-def init_state(cfg: FlintConfig, batch: int, max_len: int) -> KVState:
-    """An empty state for `batch` sequences of up to `max_len` tokens."""
+def init_state(cfg: FlintConfig, batch: int, max_len: int, stacked: bool = False) -> KVState:
+    """An empty state for `batch` sequences of up to `max_len` tokens; `stacked`: the caches as StackedCaches."""
     if not 1 <= batch <= MAX_BATCH:
         raise ValueError(f"batch must be in [1, {MAX_BATCH}], got {batch}")
     if not 1 <= max_len <= cfg.max_position_embeddings:
@@ -66,7 +132,7 @@ def init_state(cfg: FlintConfig, batch: int, max_len: int) -> KVState:
         else:
             layers.append(FullCache(k=jnp.zeros((batch, KV, max_len, D), jnp.bfloat16),
                                     v=jnp.zeros((batch, KV, max_len, D), jnp.bfloat16)))
-    return KVState(layers=tuple(layers), lengths=jnp.zeros((batch,), jnp.int32))
+    return KVState(layers=stack_caches(layers) if stacked else tuple(layers), lengths=jnp.zeros((batch,), jnp.int32))
 
 
 def state_bytes(cfg: FlintConfig, batch: int, context: int) -> int:
@@ -83,12 +149,23 @@ def kv_bytes_read(cfg: FlintConfig, context: int) -> int:
     return per_tok * (len(cfg.full_layers) * context + len(cfg.sliding_layers) * min(context, cfg.sliding_window))
 
 
-def reset_slots(state: KVState, slots: jax.Array) -> KVState:
+def reset_slots(state: KVState, slots: jax.Array, layers: tuple[int, int] | None = None) -> KVState:
     """Empty the sequences whose `slots[b]` is True, so a new request can take them. Full caches need no
-    clearing: everything at or beyond `lengths[b]` is masked."""
-    layers = tuple(dataclasses.replace(c, pos=jnp.where(slots[:, None], -1, c.pos)) if isinstance(c, RingCache)
-                   else c for c in state.layers)
-    return KVState(layers=layers, lengths=jnp.where(slots, 0, state.lengths))
+    clearing: everything at or beyond `lengths[b]` is masked. `layers` = (lo, hi): for StackedCaches, reset only
+    the rings of layers lo .. hi - 1 (a prefill segment's own)."""
+    caches = state.layers
+    if isinstance(caches, StackedCaches):
+        lo, hi = layers if layers is not None else (0, len(caches))
+        rows = [j for kind, j in caches.where[lo:hi] if kind == "ring"]
+        if rows:
+            pos = caches.ring.pos
+            mine = jnp.zeros((pos.shape[0],), bool).at[jnp.array(rows)].set(True)
+            pos = jnp.where(mine[:, None, None] & slots[None, :, None], -1, pos)
+            caches = dataclasses.replace(caches, ring=dataclasses.replace(caches.ring, pos=pos))
+    else:
+        caches = tuple(dataclasses.replace(c, pos=jnp.where(slots[:, None], -1, c.pos)) if isinstance(c, RingCache)
+                       else c for c in caches)
+    return KVState(layers=caches, lengths=jnp.where(slots, 0, state.lengths))
 
 
 def write_ring(cache: RingCache, k: jax.Array, v: jax.Array, positions: jax.Array, valid: jax.Array) -> RingCache:

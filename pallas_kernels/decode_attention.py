@@ -403,9 +403,13 @@ def _attention_call(mode, first_args, cache, positions, active, sinks, cfg, slid
         aliases[len(args) - 1] = len(out_shape) - 1
     else:
         out_shape = partials
+    out_specs = [pl.no_block_spec] * len(out_shape)
     if mode == "fused":
         n_out = len(out_shape)
-        out_shape += [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in cache_in]
+        for x in cache_in:  # written in place (a layer of stacked caches: its stack, through a BlockSpec)
+            shape, spec = layer_stack.aliased_output(x)
+            out_shape.append(shape)
+            out_specs.append(spec)
         first = len(args) - len(cache_in) - (1 if combine_here else 0)
         aliases.update({first + i: n_out + i for i in range(len(cache_in))})
     kernel = functools.partial(_attn_kernel, mode=mode, ring=ring, sliding=sliding, B=B, Hq=Hq, KV=KV,
@@ -415,6 +419,7 @@ def _attention_call(mode, first_args, cache, positions, active, sinks, cfg, slid
     operands, in_specs = layer_stack.kernel_args(args)
     outs = pl.pallas_call(
         kernel, grid=(B, KV, splits), out_shape=out_shape, input_output_aliases=aliases, in_specs=in_specs,
+        out_specs=out_specs,
         compiler_params=plgpu.CompilerParams(num_warps=RING_NUM_WARPS if ring else NUM_WARPS, num_stages=NUM_STAGES),
         interpret=interpret, name=f"decode_attention_{mode}_{'ring' if ring else 'full'}",
     )(*operands)
@@ -428,6 +433,7 @@ def _attention_call(mode, first_args, cache, positions, active, sinks, cfg, slid
         rest = outs[3:]
     if mode != "fused":
         return o, cache
+    rest = [layer_stack.like(r, x) for r, x in zip(rest, cache_in)]
     new_cache = RingCache(k=rest[0], v=rest[1], pos=rest[2]) if ring else FullCache(k=rest[0], v=rest[1])
     return o, new_cache
 

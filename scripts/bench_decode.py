@@ -45,7 +45,7 @@ from flint_jax import model as M  # noqa: E402
 from flint_jax.config import FlintConfig  # noqa: E402
 from flint_jax.layer_stack import StackedParams, stack_layers  # noqa: E402
 from flint_jax.params import init_params, weight_bytes_per_token  # noqa: E402
-from flint_jax.state import FullCache, KVState, RingCache, kv_bytes_read  # noqa: E402
+from flint_jax.state import FullCache, KVState, RingCache, kv_bytes_read, stack_caches  # noqa: E402
 
 VLLM_GB200 = {"nvfp4_forward_ms": 1.78, "bf16_forward_ms": 2.34, "served_ms": 2.06, "kernels": 346,
               "prefill_8k_ms": 145}
@@ -219,7 +219,8 @@ def main(argv=None) -> int:
     ap.add_argument("--weights", default="nvfp4,bf16")
     ap.add_argument("--impls", default="xla,pallas:stacked",
                     help="impls in order; ':stacked' runs on the layers' parameters stacked (flint_jax.layer_stack, "
-                         "done in place when first asked for: later entries run stacked too)")
+                         "done in place when first asked for: later entries run stacked too); ':stacked_caches' "
+                         "also stacks the KV caches (state.StackedCaches)")
     ap.add_argument("--batches", default="1,2,4,8")
     ap.add_argument("--contexts", default="8192,32768,100000,262144")
     ap.add_argument("--xla-points", default="1:8192,1:100000",
@@ -259,14 +260,17 @@ def main(argv=None) -> int:
         log(f"{weights}: synthetic params built in {time.time() - t:.1f}s")
         for entry in args.impls.split(","):
             impl, _, layout = entry.partition(":")
-            if layout not in ("", "stacked") or impl not in ("xla", "pallas"):
-                raise SystemExit(f"bench_decode: bad impl {entry!r} (want xla, pallas, or either with :stacked)")
-            if layout == "stacked" and not isinstance(params, StackedParams):
+            if layout not in ("", "stacked", "stacked_caches") or impl not in ("xla", "pallas"):
+                raise SystemExit(f"bench_decode: bad impl {entry!r} (want xla, pallas, or either with :stacked or "
+                                 ":stacked_caches)")
+            stacked_caches = layout == "stacked_caches"
+            if layout and not isinstance(params, StackedParams):
                 t = time.time()
                 params = stack_layers(params, delete=True)
                 jax.block_until_ready(params)
                 log(f"{weights}: layers stacked into {len(params.stacks)} buffers in {time.time() - t:.1f}s")
-            layout = "stacked" if isinstance(params, StackedParams) else "layers"
+            layout = ("stacked" if isinstance(params, StackedParams) else "layers") + ("+caches" if stacked_caches
+                                                                                      else "")
             forward, served = make_steps(cfg, impl)
             if impl == "xla":
                 plan = [(b, [c]) for b, c in xla_points]  # allocation sized to the context
@@ -282,6 +286,8 @@ def main(argv=None) -> int:
                     ctxs = [c for c in ctxs if c <= 100_000]
                     max_len = max(ctxs) + 8
                 state = random_state(cfg, batch, max_len, ctxs[0], jax.random.key(2))
+                if stacked_caches:
+                    state = KVState(stack_caches(state.layers), state.lengths)
                 tokens = jnp.arange(batch, dtype=jnp.int32) + 7
                 keys = jax.random.split(jax.random.key(3), batch)
                 t = time.time()

@@ -36,18 +36,19 @@ from flint_jax.params import init_params  # noqa: E402
 from flint_jax.sampling import SamplingParams  # noqa: E402
 
 
-def parse_variants(text: str) -> list[tuple[int, bool, bool]]:
-    """"1:off,4:on:stacked" -> [(1, False, False), (4, True, True)]: steps per dispatch, overlap_dispatch, and
-    whether the layers' parameters are stacked (flint_jax.layer_stack; default: per-layer arrays)."""
+def parse_variants(text: str) -> list[tuple[int, bool, str]]:
+    """"1:off,4:on:stacked" -> [(1, False, "layers"), (4, True, "stacked")]: steps per dispatch, overlap_dispatch,
+    and the layout: per-layer arrays, the layers' parameters stacked (flint_jax.layer_stack), or the KV caches
+    stacked too (`Engine(stacked_caches=True)`)."""
     out = []
     for item in text.split(","):
         steps, overlap, *rest = item.split(":")
         layout = rest[0] if rest else "layers"
         if not steps.isdigit() or int(steps) < 1 or overlap not in ("on", "off") or len(rest) > 1 \
-                or layout not in ("layers", "stacked"):
-            raise SystemExit(f"bench_engine: bad variant {item!r} (want STEPS:on|off[:layers|stacked], "
-                             "e.g. 4:on or 1:off:stacked)")
-        out.append((int(steps), overlap == "on", layout == "stacked"))
+                or layout not in ("layers", "stacked", "stacked_caches"):
+            raise SystemExit(f"bench_engine: bad variant {item!r} (want STEPS:on|off[:layers|stacked|stacked_caches]"
+                             ", e.g. 4:on or 1:off:stacked)")
+        out.append((int(steps), overlap == "on", layout))
     return out
 
 
@@ -60,11 +61,13 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=8192)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--variants", default="1:off,1:off:stacked,4:on:stacked",
-                    help="STEPS:on|off[:layers|stacked]: steps per dispatch, overlap_dispatch, parameter layout "
-                         "(per-layer variants run first; the parameters are then stacked in place)")
+                    help="STEPS:on|off[:layers|stacked|stacked_caches]: steps per dispatch, overlap_dispatch, "
+                         "layout (per-layer variants run first; the parameters are then stacked in place; "
+                         "stacked_caches also stacks the KV caches)")
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args(argv)
-    variants = sorted(parse_variants(args.variants), key=lambda v: v[2])  # per-layer first: stacking consumes them
+    # per-layer first: stacking consumes them
+    variants = sorted(parse_variants(args.variants), key=lambda v: v[2] != "layers")
     cfg = FlintConfig.tiny() if args.tiny else FlintConfig.flint()
     if args.tiny:
         args.prompt_tokens, args.new_tokens = min(args.prompt_tokens, 40), min(args.new_tokens, 12)
@@ -79,17 +82,17 @@ def main(argv=None) -> int:
     sampling = SamplingParams(max_tokens=args.new_tokens, seed=7)  # the defaults 1.0 / 0.95 / 20, no stop tokens
     max_len = args.prompt_tokens + args.new_tokens + 8
     rows, tokens_seen = [], None
-    for steps, overlap, stacked in variants:
-        if stacked and not isinstance(params, StackedParams):
+    for steps, overlap, layout in variants:
+        if layout != "layers" and not isinstance(params, StackedParams):
             t = time.time()
             params = stack_layers(params, delete=True)
             jax.block_until_ready(params)
             log(f"layers stacked: {len(params.stacks)} stacks in {time.time() - t:.1f}s")
         engine = Engine(cfg, params, max_batch=1, max_len=max_len, chunk_size=min(args.prompt_tokens, 8192),
-                        impl=args.impl, steps_per_dispatch=steps, overlap_dispatch=overlap)
+                        impl=args.impl, steps_per_dispatch=steps, overlap_dispatch=overlap,
+                        stacked_caches=layout == "stacked_caches")
         t = time.time()
         engine.generate([prompt], SamplingParams(max_tokens=2 * steps + 1, seed=7))  # compiles prefill and decode
-        layout = "stacked" if stacked else "layers"
         log(f"{steps} steps per dispatch, overlap {'on' if overlap else 'off'}, {layout}: warm-up "
             f"{time.time() - t:.1f}s")
         ms, ttft, same = [], [], True

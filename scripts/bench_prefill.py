@@ -325,7 +325,7 @@ class ProgramRunner:
         if "xla" in self.variant or "tails" in self.variant:
             # a new function object: jax's trace cache is keyed on it, so this variant traces on its own
             fn = functools.wraps(fn)(lambda *a, _fn=fn, **k: _fn(*a, **k))
-            static = ("cfg", "impl") if self.one_program else ("cfg", "impl", "first")
+            static = ("cfg", "impl") if self.one_program else ("cfg", "impl", "first", "stop")
             self.program = jax.jit(fn, static_argnames=static, donate_argnames=("state",) if self.one_program
                                    else ("caches",), compiler_options=self.variant.get("xla"))
         else:

@@ -55,12 +55,12 @@ def test_bench_engine_tiny(tmp_path):
     """Engine.generate per variant; overlap_dispatch, the burst length and stacked parameters leave the tokens
     unchanged on the CPU, and stacking cuts the buffers handed over per call."""
     out = run_script("bench_engine.py", "--tiny", "--out", str(tmp_path), "--variants",
-                     "3:on:stacked,1:off,1:on:stacked", "--repeats", "1")
+                     "3:on:stacked,1:off,1:on:stacked_caches", "--repeats", "1")
     rows = json.loads((tmp_path / "engine.json").read_text())["rows"]
     assert [(r["steps_per_dispatch"], r["overlap_dispatch"], r["layout"]) for r in rows] == [
-        (1, False, "layers"), (3, True, "stacked"), (1, True, "stacked")]  # per-layer variants first
+        (1, False, "layers"), (3, True, "stacked"), (1, True, "stacked_caches")]  # per-layer variants first
     assert all(r["decode_ms_per_token"] > 0 and r["same_tokens_as_first"] for r in rows)
-    assert rows[1]["argument_buffers"] < rows[0]["argument_buffers"] / 2
+    assert rows[2]["argument_buffers"] < rows[1]["argument_buffers"] < rows[0]["argument_buffers"] / 2
     assert "| 3 | on | stacked |" in out
 
 

@@ -123,3 +123,49 @@ def test_engine_params_stack_for_pallas_and_spare_shared_params(tiny_cfg):
     owned = Runtime(tiny_cfg, params, None, (), "test")
     engine_params(owned, "pallas")
     assert all(a.is_deleted() for a in jax.tree.leaves(params.layers))  # owned: consumed, not held twice
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_stacked_caches_equal_per_layer_caches(impl, tiny_cfg, tiny_params_nvfp4):
+    """StackedCaches (with stacked parameters): the decode kernels write the stacks in place, XLA's blocks write
+    slices back; prefill and decode steps give the same bits as per-layer caches, state included."""
+    from flint_jax.state import StackedCaches
+    cfg = tiny_cfg
+    sp = LS.stack_layers(tiny_params_nvfp4)
+    toks = jax.random.randint(jax.random.key(5), (2, 9), 0, cfg.vocab_size)
+    outs = []
+    for stacked in (False, True):
+        state = init_state(cfg, 2, 16, stacked=stacked)
+        assert isinstance(state.layers, StackedCaches) == stacked
+        h0, state = step(sp, state, toks[:, :6], jnp.array([6, 5]), cfg, impl=impl)
+        hs = [h0]
+        for i in range(6, 9):  # the window-5 ring wraps
+            h, state = step(sp, state, toks[:, i:i + 1], jnp.array([1, 1]), cfg, impl=impl)
+            hs.append(h)
+        assert isinstance(state.layers, StackedCaches) == stacked
+        caches = state.layers.layers if stacked else state.layers
+        outs.append((hs, caches, state.lengths))
+    _same_tree(outs[0], outs[1])
+    assert len(jax.tree.leaves(init_state(cfg, 2, 16, stacked=True))) == 6  # ring k, v, pos; full k, v; lengths
+
+
+def test_prefill_pipeline_with_stacked_caches_resets_only_its_segments_rows(tiny_cfg, tiny_params_nvfp4):
+    """Two requests through the pipeline (cut into segments), the second reusing row 0: stacked caches give the
+    per-layer caches' tokens and state, so each segment empties only its own layers' rings."""
+    cfg = tiny_cfg
+    sp = LS.stack_layers(tiny_params_nvfp4)
+    keys = jax.random.split(jax.random.key(0), 2)
+    settings = (jnp.ones(2), jnp.full(2, 20), jnp.full(2, 0.95))
+    outs = []
+    for stacked in (False, True):
+        state = init_state(cfg, 2, 16, stacked=stacked)
+        got = []
+        for seed, reset in ((6, None), (8, jnp.array([True, False]))):
+            toks = jax.random.randint(jax.random.key(seed), (2, 6), 0, cfg.vocab_size)
+            nxt, state = prefill_pipeline.prefill(sp, state, toks, jnp.array([6, 0]) if reset is not None else
+                                                  jnp.array([6, 4]), keys, *settings, reset=reset, cfg=cfg,
+                                                  impl="pallas", cuts=(1, 3))
+            got.append(nxt)
+        caches = state.layers.layers if stacked else state.layers
+        outs.append((got, caches, state.lengths))
+    _same_tree(outs[0], outs[1])
