@@ -138,12 +138,9 @@ def mlp_block(h: jax.Array, layer, cfg: FlintConfig, *, interpret: bool | None =
         return L.mlp_block(h, materialize(layer), cfg)
     # The routed experts' weights stay LayerSlices where the layers are stacked: the grouped kernels index the stacks
     # (no per-layer copy of all 256 experts); XLA's ops get arrays.
-    moe = layer.mlp
+    routed = layer.mlp
     layer = materialize(layer)
-    if not reference:
-        moe = dataclasses.replace(layer.mlp, gate=moe.gate, up=moe.up, down=moe.down)
-    else:
-        moe = layer.mlp
+    moe = layer.mlp if reference else dataclasses.replace(layer.mlp, gate=routed.gate, up=routed.up, down=routed.down)
     b = L.rmsnorm(h, layer.mlp_norm, cfg.rms_norm_eps)
     return h + moe_mlp(b, moe, cfg, interpret=_interpret(interpret), blocks=blocks, reference=reference)
 

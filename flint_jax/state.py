@@ -12,6 +12,7 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from flint_jax.config import FlintConfig
 
@@ -159,8 +160,9 @@ def reset_slots(state: KVState, slots: jax.Array, layers: tuple[int, int] | None
         rows = [j for kind, j in caches.where[lo:hi] if kind == "ring"]
         if rows:
             pos = caches.ring.pos
-            mine = jnp.zeros((pos.shape[0],), bool).at[jnp.array(rows)].set(True)
-            pos = jnp.where(mine[:, None, None] & slots[None, :, None], -1, pos)
+            mine = np.zeros((pos.shape[0], 1, 1), bool)
+            mine[rows] = True
+            pos = jnp.where(mine & slots[None, :, None], -1, pos)
             caches = dataclasses.replace(caches, ring=dataclasses.replace(caches.ring, pos=pos))
     else:
         caches = tuple(dataclasses.replace(c, pos=jnp.where(slots[:, None], -1, c.pos)) if isinstance(c, RingCache)

@@ -11,12 +11,18 @@ def bf16_ulps(a, b) -> np.ndarray:
     return np.abs(ordered(a) - ordered(b))
 
 
-def assert_bf16_close(out, ref, max_ulp=1, max_frac=0.02):
+def assert_bf16_close(out, ref, max_ulp=1, max_frac=0.02, abs_slack=0.0):
     """BF16 outputs within `max_ulp` ulps of the reference, and at most `max_frac` of them differing at all: products
-    are exact, so only the FP32 summation order (kernel tiles vs XLA) can move a result across a rounding boundary."""
+    are exact, so only the FP32 summation order (kernel tiles vs XLA) can move a result across a rounding boundary.
+    abs_slack: an output may instead differ by at most this much in absolute terms (for sums that cancel to far
+    below their terms' scale, where a summation-order difference of a few FP32 ulps of the terms is many BF16 ulps
+    of the result; XLA's own order depends on the host CPU's vector width)."""
     assert out.shape == ref.shape and out.dtype == ref.dtype == jnp.bfloat16
     assert np.all(np.isfinite(np.asarray(out, np.float32)))
     u = bf16_ulps(out, ref)
+    if abs_slack:
+        err = np.abs(np.asarray(out, np.float32) - np.asarray(ref, np.float32))
+        u = np.where(err <= abs_slack, np.minimum(u, max_ulp), u)
     assert u.max() <= max_ulp, f"max {u.max()} BF16 ulps"
     assert np.mean(u > 0) <= max_frac, f"{np.mean(u > 0):.3%} of outputs differ"
 
