@@ -4,7 +4,8 @@ A jitted step takes every array of its arguments as a separate device buffer, an
 every call (~3 us per buffer on the H200 machine, run AS in docs/BENCHMARKS.md: 1,796 NVFP4 weight buffers cost
 ~5.5 ms per step, more than the device needs for the step). `stack_layers(params)` turns the 49 layers' arrays into
 one stack per parameter position (`attn.q.codes` of every layer in one [n, ...] array), split into chunks of at most
-`MAX_CHUNK_BYTES`: about 40 buffers for NVFP4 Flint instead of ~1,800.
+`MAX_CHUNK_BYTES`: 55 stacks for NVFP4 Flint, and 194 argument buffers per decode call with the state instead of
+1,930 (runs BM-BO, docs/BENCHMARKS.md).
 
 Inside a traced step, `StackedParams.layers` gives each layer's parameters as plain arrays (static slices of the
 stacks: what the reference path and the prefill path read), and `layer_slices()` gives them as `LayerSlice`s: the
@@ -107,15 +108,15 @@ def kernel_args(args: Sequence[Any], specs: Sequence[Any] | None = None) -> tupl
     """(operands, in_specs) for a pallas_call: a LayerSlice passes its whole stack with a BlockSpec that selects its
     layer; any other operand passes as is with `specs[i]` (default: the whole array)."""
     from jax.experimental import pallas as pl
-    ops, out_specs = [], []
+    ops, in_specs = [], []
     for i, a in enumerate(args):
         if isinstance(a, LayerSlice):
             ops.append(a.stack)
-            out_specs.append(a.block_spec())
+            in_specs.append(a.block_spec())
         else:
             ops.append(a)
-            out_specs.append(pl.no_block_spec if specs is None or specs[i] is None else specs[i])
-    return ops, out_specs
+            in_specs.append(pl.no_block_spec if specs is None or specs[i] is None else specs[i])
+    return ops, in_specs
 
 
 def aliased_output(x) -> tuple[jax.ShapeDtypeStruct, Any]:
@@ -148,10 +149,6 @@ class StackedParams:
     stacks: tuple[jax.Array, ...]
     layout: _Layout = dataclasses.field(metadata=dict(static=True))
 
-    @property
-    def num_layers(self) -> int:
-        return len(self.layout.layers)
-
     def layer_slices(self) -> tuple:
         """Each layer's parameter tree with LayerSlice leaves (for the decode kernels)."""
         return tuple(treedef.unflatten([LayerSlice(self.stacks[s], i) for s, i in where])
@@ -161,11 +158,6 @@ class StackedParams:
     def layers(self) -> tuple:
         """Each layer's parameter tree with plain arrays (slices of the stacks), as `Params.layers`."""
         return tuple(materialize(layer) for layer in self.layer_slices())
-
-    @property
-    def nbytes(self) -> int:
-        arrays = [self.embed, self.final_norm, *jax.tree.leaves(self.lm_head), *self.stacks]
-        return int(sum(a.size * a.dtype.itemsize for a in arrays))
 
 
 def _chunks(n_bytes: Sequence[int], limit: int) -> list[list[int]]:

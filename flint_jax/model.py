@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from flint_jax import layers as L
 from flint_jax.config import FlintConfig
-from flint_jax.layer_stack import materialize
+from flint_jax.layer_stack import StackedParams, materialize
 from flint_jax.params import Params
 from flint_jax.state import KVState, StackedCaches, write_full, write_ring
 
@@ -95,7 +95,6 @@ def layers_of(params) -> tuple:
     """The per-layer parameter trees that `run_layers` takes: `params.layers`, or for stacked parameters
     (layer_stack.StackedParams) the layers as LayerSlices of the stacks (run_layers materialises them for the blocks
     that do not index the stacks themselves)."""
-    from flint_jax.layer_stack import StackedParams
     return params.layer_slices() if isinstance(params, StackedParams) else params.layers
 
 

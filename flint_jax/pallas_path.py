@@ -72,10 +72,10 @@ def coverage() -> dict[str, str]:
 
 
 def kernel_census(cfg, weights: str = "nvfp4", batch: int = 1, impl: str = "pallas", max_len: int = 4096,
-                  stacked: bool | str = False) -> dict:
+                  stacked_params: bool = False, stacked_caches: bool = False) -> dict:
     """What one decode step launches on a GPU, found without one: the step is lowered for CUDA (abstract parameters,
-    nothing allocated; `stacked`: True = the layers' parameters stacked (layer_stack), "all" = the caches too,
-    state.StackedCaches). Returns {"pallas_kernels": n,
+    nothing allocated; the layers' parameters stacked with `stacked_params` (layer_stack), the caches with
+    `stacked_caches` (state.StackedCaches)). Returns {"pallas_kernels": n,
     "by_kernel": {name: n}, "other_hlo_ops": n, "argument_buffers": n}; the other ops are XLA glue that the device
     compiler fuses into an unknown (smaller) number of kernels; the argument buffers are what the host hands over
     per call (parameters and state)."""
@@ -89,10 +89,10 @@ def kernel_census(cfg, weights: str = "nvfp4", batch: int = 1, impl: str = "pall
     from flint_jax.state import init_state
 
     params = abstract_params(cfg, weights)
-    if stacked in (True, "all"):
+    if stacked_params:
         from flint_jax.layer_stack import stack_layers
         params = jax.eval_shape(stack_layers, params)
-    state = jax.eval_shape(lambda: init_state(cfg, batch, max_len, stacked=stacked == "all"))
+    state = jax.eval_shape(lambda: init_state(cfg, batch, max_len, stacked=stacked_caches))
 
     def step(params, state, tokens):
         return M.model_step(params, state, tokens[:, None], jnp.ones_like(tokens), cfg, impl=impl)

@@ -57,7 +57,7 @@ def _segment(x, embed_table, layers, caches, lengths, n_new, reset, head, keys, 
     sampled next token per row and the lengths after the chunk; the others return the hidden states."""
     if isinstance(layers, StackedParams):
         layers = layers.layer_slices()[first:stop]
-    emptied = reset_slots(KVState(layers=caches, lengths=lengths), reset, layers=(first, stop))
+    emptied = reset_slots(KVState(layers=caches, lengths=lengths), reset, layer_range=(first, stop))
     h = embed_table[x] if embed_table is not None else x
     h, caches = M.run_layers(layers, emptied.layers, h, emptied.lengths, n_new, cfg, impl, first)
     if head is None:

@@ -150,13 +150,13 @@ def kv_bytes_read(cfg: FlintConfig, context: int) -> int:
     return per_tok * (len(cfg.full_layers) * context + len(cfg.sliding_layers) * min(context, cfg.sliding_window))
 
 
-def reset_slots(state: KVState, slots: jax.Array, layers: tuple[int, int] | None = None) -> KVState:
+def reset_slots(state: KVState, slots: jax.Array, layer_range: tuple[int, int] | None = None) -> KVState:
     """Empty the sequences whose `slots[b]` is True, so a new request can take them. Full caches need no
-    clearing: everything at or beyond `lengths[b]` is masked. `layers` = (lo, hi): for StackedCaches, reset only
+    clearing: everything at or beyond `lengths[b]` is masked. `layer_range` = (lo, hi): for StackedCaches, reset only
     the rings of layers lo .. hi - 1 (a prefill segment's own)."""
     caches = state.layers
     if isinstance(caches, StackedCaches):
-        lo, hi = layers if layers is not None else (0, len(caches))
+        lo, hi = layer_range if layer_range is not None else (0, len(caches))
         rows = [j for kind, j in caches.where[lo:hi] if kind == "ring"]
         if rows:
             pos = caches.ring.pos
