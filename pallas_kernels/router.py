@@ -32,6 +32,13 @@ from flint_jax.pallas_kernels import weight_tiles as wt
 F32, BF16 = jnp.float32, jnp.bfloat16
 
 
+# Each top-k round finds the highest score + bias and its lowest index with one argmax: the Triton lowering reduces
+# (value, index) pairs in one pass, ties to the lower index, so a round costs one cross-warp reduction instead of two
+# (max, then min over the indices that hold it). The same ids and weights for any scores without NaN. A knob so the
+# whole step can time both (scripts/profile_decode.py variant `topk_two_reductions`).
+TOPK_ARGMAX = True
+
+
 def _top_k_rounds(logits: jax.Array, bias: jax.Array, k: int, norm_topk_prob: bool, scaling: float,
                   scores_given: bool = False):
     """k rounds of max / first index / mask over the last axis of logits ([E], or [R, E] per row): (k ids, k weights),
@@ -54,8 +61,11 @@ def top_k_lazy(logits: jax.Array, bias: jax.Array, k: int, norm_topk_prob: bool,
     iota = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
     ids, hits = [], []
     for _ in range(k):
-        top = jnp.max(sel, axis=axis)
-        idx = jnp.min(jnp.where(sel == keep(top), iota, logits.shape[-1]), axis=axis)
+        if TOPK_ARGMAX:  # one (value, index) reduction per round
+            idx = jnp.argmax(sel, axis=axis).astype(jnp.int32)
+        else:  # two: the max, then the lowest index holding it
+            top = jnp.max(sel, axis=axis)
+            idx = jnp.min(jnp.where(sel == keep(top), iota, logits.shape[-1]), axis=axis)
         hit = iota == keep(idx)
         ids.append(idx)
         hits.append(hit)

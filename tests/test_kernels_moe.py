@@ -124,11 +124,13 @@ def test_route_top_k_ties_and_bias(case, in_router):
         np.testing.assert_array_equal(np.asarray(ids[0]), [1, 2, 4, 9, 15, 5])
 
 
+@pytest.mark.parametrize("argmax", [True, False], ids=["argmax_rounds", "max_then_index_rounds"])
 @pytest.mark.parametrize("rows", [1, 4, 16])
-def test_top_k_experts_several_tokens_per_program(rows):
+def test_top_k_experts_several_tokens_per_program(rows, argmax, monkeypatch):
     """The prefill form (`rows` tokens per program, 11 tokens: the last program padded) selects what
     layers.route_from_logits selects, ties included (repeated logits and biases), with its weights to FP32
-    rounding."""
+    rounding; with either form of the top-k rounds (router.TOPK_ARGMAX)."""
+    monkeypatch.setattr(R, "TOPK_ARGMAX", argmax)
     logits = jax.random.normal(jax.random.key(rows), (11, CFG.n_routed_experts), F32)
     logits = logits.at[3].set(0.25).at[7, :4].set(logits[7, 8])  # an all-tied row, and a tie at the top
     bias = jnp.zeros((CFG.n_routed_experts,), F32).at[1].set(0.5).at[2].set(0.5)
