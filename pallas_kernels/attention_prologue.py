@@ -57,7 +57,7 @@ def _qkv_kernel(x_ref, nw_ref, *refs, spec, mp, blocks, eps, row_blocks, col0, p
     j = pl.program_id(0)
     bn, bk = blocks.bn, blocks.bk
     xs = wt.XSource(x_ref, wt.x_kind(spec.kind, blocks.dot), nw_ref, eps)
-    inv = xs.inv_rms_block(spec.k) if blocks.dot else [xs.inv_rms(r, spec.k) for r in range(mp)]
+    inv = xs.inv_rms_block(spec.k) if blocks.dot else None  # FMA path: per branch, after its first loads
     for which in range(3):
         lo, hi = row_blocks[which]
         w_refs = wrefs[which]
@@ -71,7 +71,8 @@ def _qkv_kernel(x_ref, nw_ref, *refs, spec, mp, blocks, eps, row_blocks, col0, p
                 acc, = wt.stream_rows_dot(xs, [(spec, w_refs)], n0, bn, bk, inv, ptx=ptx)
                 out_ref[:, pl.ds(c0, bn)] = wt.apply_global_scale(acc.T, wt.dot_scale(spec, w_refs, 0)).astype(BF16)
                 return
-            accs = wt.stream_rows([xs] * mp, list(range(mp)), [(spec, w_refs)], [0], n0, bn, bk, inv,
+            accs = wt.stream_rows([xs] * mp, list(range(mp)), [(spec, w_refs)], [0], n0, bn, bk,
+                                  wt.row_norms(xs, mp, spec.k),
                                   elementwise=blocks.elementwise, prefetch=blocks.prefetch)
             gs = wt.global_scale(spec, w_refs, 0)
             for r in range(mp):

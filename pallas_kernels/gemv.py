@@ -138,7 +138,7 @@ def _gemv_kernel(*refs, spec, n_weights, mp, blocks, has_norm, has_res, eps, mod
         accs = wt.stream_rows_dot(xs, weights, n0, bn, bk, inv, ptx=ptx)
         o_ref[...] = epilogue([a.T for a in accs], res_ref[...] if has_res else None)
         return
-    inv = [xs.inv_rms(r, spec.k) for r in range(mp)] if has_norm else None
+    inv = wt.row_norms(xs, mp, spec.k) if has_norm else None
     accs = wt.stream_rows([xs] * mp, list(range(mp)), weights, [0] * n_weights, n0, bn, bk, inv,
                           elementwise=blocks.elementwise, prefetch=blocks.prefetch)
     for r in range(mp):

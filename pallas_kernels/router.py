@@ -108,9 +108,10 @@ def logits_tile(j, h_ref, nw_ref, r_ref, logits_ref, store_b, *, mp, be, bk, eps
     e0 = pl.multiple_of(j * be, be)
     hidden = h_ref.shape[-1]
     xs = wt.XSource(h_ref, "bf16", nw_ref if has_norm else None, eps)
-    inv = [xs.inv_rms(r, hidden) for r in range(mp)] if has_norm else None
+    norms = wt.row_norms(xs, mp, hidden) if has_norm else None
     spec = wt.WeightSpec("bf16", 1, r_ref.shape[1], hidden)  # FP32 values; streamed like a BF16 weight
-    accs = wt.stream_rows([xs] * mp, list(range(mp)), [(spec, (r_ref,))], [0], e0, be, bk, inv)
+    accs = wt.stream_rows([xs] * mp, list(range(mp)), [(spec, (r_ref,))], [0], e0, be, bk, norms)
+    inv = norms.value if isinstance(norms, wt.RowNorms) else norms
     for r in range(mp):
         logits_ref[r, pl.ds(e0, be)] = accs[r]
 

@@ -136,6 +136,11 @@ def k_tile(spec: WeightSpec, bk: int) -> int:
 
 # ---- kernel side ----------------------------------------------------------------------------------------------------
 NORM_TILE = 4096  # values per step of the RMSNorm prologue
+# Kernels with a fused RMSNorm prologue on the FMA path issue their first K step's weight loads before computing the
+# rows' inv_rms (stream_rows with a deferred `inv`): the norm's reduction has barriers, which no load crosses, so
+# otherwise the weights' first HBM round trip waits for the norm. A knob so the whole step can time both
+# (scripts/profile_decode.py variant `norm_before_loads`).
+NORM_AFTER_LOADS = True
 
 
 def k_start(t, bk: int):
@@ -226,6 +231,25 @@ class XSource:
         return self.finish(self.load(row, t, bk, half), row, inv)
 
 
+class RowNorms:
+    """The inv_rms of rows 0..rows-1 of `xs`, computed on the first call (stream_rows calls it after issuing its first
+    loads) and kept for later use in the same region of the kernel (`.value`)."""
+
+    def __init__(self, xs: XSource, rows: int, k: int):
+        self.xs, self.rows, self.k, self.value = xs, rows, k, None
+
+    def __call__(self) -> list:
+        if self.value is None:
+            self.value = [self.xs.inv_rms(r, self.k) for r in range(self.rows)]
+        return self.value
+
+
+def row_norms(xs: XSource, rows: int, k: int):
+    """The rows' inv_rms for stream_rows: deferred (RowNorms) under NORM_AFTER_LOADS, else computed here."""
+    norms = RowNorms(xs, rows, k)
+    return norms if NORM_AFTER_LOADS else norms()
+
+
 def stream_rows(xs: Sequence[XSource], rows: Sequence, weights: Sequence[tuple[WeightSpec, Sequence]],
                 experts: Sequence, n0, bn: int, bk: int, inv: Sequence | None = None,
                 pairs: Sequence[tuple[int, int]] | None = None, elementwise: bool = False,
@@ -241,7 +265,9 @@ def stream_rows(xs: Sequence[XSource], rows: Sequence, weights: Sequence[tuple[W
     shared-memory round trip and barrier, inside the loop; more registers; for M <= 2).
     `prefetch`: load step t+1's tiles before computing step t (a register double buffer carried by the loop):
     Triton's num_stages pipelining only applies to loads that feed a dot, so without this every step waits for its
-    own loads. Returns f32 [bn] per pair."""
+    own loads. `inv` may be a function returning the rows' inv_rms: it is called after the first K step's loads are
+    issued, so the weights' HBM latency overlaps the norm prologue's reduction (NORM_AFTER_LOADS). Returns f32 [bn]
+    per pair."""
     spec0 = weights[0][0]
     for spec, _ in weights:
         if (spec.kind, spec.k) != (spec0.kind, spec0.k):
@@ -253,7 +279,8 @@ def stream_rows(xs: Sequence[XSource], rows: Sequence, weights: Sequence[tuple[W
         pairs = [(w, r) for w in range(len(weights)) for r in range(nr)]
     used_rows = sorted({r for _, r in pairs})
     used_weights = sorted({w for w, _ in pairs})
-    inv = list(inv) if inv is not None else [None] * nr
+    inv_later = inv if callable(inv) else None
+    inv = list(inv) if inv is not None and inv_later is None else [None] * nr
     nvfp4_kind = spec0.kind == "nvfp4"
     g = bk // 2 // GROUP
     half_groups = k // 2 // GROUP
@@ -305,7 +332,21 @@ def stream_rows(xs: Sequence[XSource], rows: Sequence, weights: Sequence[tuple[W
                     accs[i] = accs[i] + (prod if elementwise else jnp.sum(prod, axis=1))
         return tuple(accs)
 
-    if prefetch and steps > 1:
+    if inv_later is not None:  # the first step's loads go out before the norm's reduction (and its barriers)
+        first = load(0)
+        inv = list(inv_later())  # RowNorms keeps them for the caller
+        accs = compute(first, init)
+        if prefetch and steps > 1:
+            def body(t, carry):
+                accs, cur = carry
+                nxt = load(jnp.minimum(t + 1, steps - 1))
+                return compute(cur, accs), nxt
+            accs, _ = jax.lax.fori_loop(1, steps, body, (accs, load(1)))
+        elif steps == 2:
+            accs = compute(load(1), accs)
+        elif steps > 2:
+            accs = jax.lax.fori_loop(1, steps, lambda t, a: compute(load(t), a), accs)
+    elif prefetch and steps > 1:
         def body(t, carry):
             accs, cur = carry
             nxt = load(jnp.minimum(t + 1, steps - 1))  # the last step reloads its own tiles: harmless, in bounds

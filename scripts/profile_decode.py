@@ -44,6 +44,7 @@ def _variants():
     from flint_jax.pallas_kernels import moe_persistent as MP
     from flint_jax import pallas_path as PP
     from flint_jax.pallas_kernels import router as RT
+    from flint_jax.pallas_kernels import weight_tiles as WT
     return {
         "base": [],
         "prefetch": [(G, "TABLE_PREFETCH", True), (ME, "GATE_UP_BLOCK", (8, 512, 4, 3, False, True))],
@@ -67,7 +68,8 @@ def _variants():
         "topk_per_program": [(ME, "ROUTE_IN_ROUTER", False)],  # the default since run G
         "topk_in_router": [(ME, "ROUTE_IN_ROUTER", True)],
         "down_recomputes_topk": [(ME, "ROUTING_TO_DOWN", False)],
-        "topk_two_reductions": [(RT, "TOPK_ARGMAX", False)],  # max then lowest index per round (before run BR)  # every down program recomputes the top-k
+        "topk_two_reductions": [(RT, "TOPK_ARGMAX", False)],  # max then lowest index per round (before run BR)
+        "norm_before_loads": [(WT, "NORM_AFTER_LOADS", False)],  # the norm prologue first (before run BS)  # every down program recomputes the top-k
         # BF16 weights with the blocks from before run BB's sweep
         "bf16_generic_tables": [(G, "BF16_TABLE", None), (ME, "BF16_GATE_UP_BLOCK", (8, 1024, 4, 3)),
                                 (ME, "BF16_DOWN_BLOCK", (8, 512, 4, 1))],
