@@ -139,10 +139,15 @@ def _gemv_kernel(*refs, spec, n_weights, mp, blocks, has_norm, has_res, eps, mod
         o_ref[...] = epilogue([a.T for a in accs], res_ref[...] if has_res else None)
         return
     inv = wt.row_norms(xs, mp, spec.k) if has_norm else None
+
+    def residual_rows():
+        return [res_ref[r, :] if has_res else None for r in range(mp)]
+    res = residual_rows() if wt.EARLY_EPILOGUE_LOADS else None  # before the K loop (moe_experts.down_tile)
     accs = wt.stream_rows([xs] * mp, list(range(mp)), weights, [0] * n_weights, n0, bn, bk, inv,
                           elementwise=blocks.elementwise, prefetch=blocks.prefetch)
+    res = res or residual_rows()
     for r in range(mp):
-        o_ref[r, :] = epilogue([accs[w * mp + r] for w in range(n_weights)], res_ref[r, :] if has_res else None)
+        o_ref[r, :] = epilogue([accs[w * mp + r] for w in range(n_weights)], res[r])
 
 
 def swiglu_f32(g: jax.Array, u: jax.Array) -> jax.Array:

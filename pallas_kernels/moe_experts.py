@@ -122,10 +122,14 @@ def gate_up_tile(p, blk, token, xs, g_spec, gate, up, s_spec, sgate, sup, store,
     n0 = pl.multiple_of(blk * bn, bn)
 
     def run(spec, g_refs, u_refs, t, e):
+        def scales():
+            return wt.global_scale(spec, g_refs, e), wt.global_scale(spec, u_refs, e)
+        gs = scales() if wt.EARLY_EPILOGUE_LOADS else None  # before the K loop (see down_tile)
         acc_g, acc_u = wt.stream_rows([xs], [t], [(spec, g_refs), (spec, u_refs)], [e, e], n0, bn, bk,
                                       elementwise=elementwise, prefetch=prefetch)
-        g = wt.apply_global_scale(acc_g, wt.global_scale(spec, g_refs, e)).astype(BF16)
-        u = wt.apply_global_scale(acc_u, wt.global_scale(spec, u_refs, e)).astype(BF16)
+        gs_g, gs_u = gs or scales()
+        g = wt.apply_global_scale(acc_g, gs_g).astype(BF16)
+        u = wt.apply_global_scale(acc_u, gs_u).astype(BF16)
         store(p, n0, gemv_mod.swiglu_f32(g, u))
 
     @pl.when(p < m * k)
@@ -249,15 +253,26 @@ def down_tile(t, blk, token, xs, d_spec, down, s_spec, sdown, res_ref, store, *,
         rows.append(m * k + t)
         weights.append((s_spec, sdown))
         experts.append(0)
+    # The epilogue's operands (global scales, residual) are loaded before the K loop: loads after it would add a
+    # dependent round trip to the end of the program's chain (wt.EARLY_EPILOGUE_LOADS).
+    early = wt.EARLY_EPILOGUE_LOADS
+    gs = [wt.global_scale(d_spec, down, ids[s]) for s in range(k)] if early else None
+    sgs = wt.global_scale(s_spec, sdown, 0) if early and s_spec is not None else None
+    res = res_ref[t, pl.ds(n0, bn)] if early else None
     accs = wt.stream_rows([xs] * len(rows), rows, weights, experts, n0, bn, bk,
                           pairs=[(i, i) for i in range(len(rows))])
+    if not early:
+        gs = [wt.global_scale(d_spec, down, ids[s]) for s in range(k)]
+        sgs = wt.global_scale(s_spec, sdown, 0) if s_spec is not None else None
     y = jnp.zeros((bn,), F32)
     for s in range(k):
-        out_s = wt.apply_global_scale(accs[s], wt.global_scale(d_spec, down, ids[s])).astype(BF16)
+        out_s = wt.apply_global_scale(accs[s], gs[s]).astype(BF16)
         y = y + ws[s] * out_s.astype(F32)
     if s_spec is not None:
-        y = y + wt.apply_global_scale(accs[k], wt.global_scale(s_spec, sdown, 0)).astype(BF16).astype(F32)
-    store(t, n0, (res_ref[t, pl.ds(n0, bn)].astype(F32) + y.astype(BF16).astype(F32)).astype(BF16))
+        y = y + wt.apply_global_scale(accs[k], sgs).astype(BF16).astype(F32)
+    if not early:
+        res = res_ref[t, pl.ds(n0, bn)]
+    store(t, n0, (res.astype(F32) + y.astype(BF16).astype(F32)).astype(BF16))
 
 
 def _down_kernel(route_a, route_b, x_ref, *refs, m, k, d_spec, s_spec, bn, bk, norm, scaling):

@@ -141,6 +141,10 @@ NORM_TILE = 4096  # values per step of the RMSNorm prologue
 # otherwise the weights' first HBM round trip waits for the norm. A knob so the whole step can time both
 # (scripts/profile_decode.py variant `norm_before_loads`).
 NORM_AFTER_LOADS = True
+# Kernels load their epilogue's operands (NVFP4 global scales, the residual rows) before the K loop rather than after
+# it, where each would add a dependent memory round trip to the end of the chain. A knob so the whole step can time
+# both (scripts/profile_decode.py variant `late_epilogue_loads`).
+EARLY_EPILOGUE_LOADS = True
 
 
 def k_start(t, bk: int):

@@ -69,7 +69,8 @@ def _variants():
         "topk_in_router": [(ME, "ROUTE_IN_ROUTER", True)],
         "down_recomputes_topk": [(ME, "ROUTING_TO_DOWN", False)],
         "topk_two_reductions": [(RT, "TOPK_ARGMAX", False)],  # max then lowest index per round (before run BR)
-        "norm_before_loads": [(WT, "NORM_AFTER_LOADS", False)],  # the norm prologue first (before run BS)  # every down program recomputes the top-k
+        "norm_before_loads": [(WT, "NORM_AFTER_LOADS", False)],  # the norm prologue first (before run BS)
+        "late_epilogue_loads": [(WT, "EARLY_EPILOGUE_LOADS", False)],  # scales and residual after the K loop  # every down program recomputes the top-k
         # BF16 weights with the blocks from before run BB's sweep
         "bf16_generic_tables": [(G, "BF16_TABLE", None), (ME, "BF16_GATE_UP_BLOCK", (8, 1024, 4, 3)),
                                 (ME, "BF16_DOWN_BLOCK", (8, 512, 4, 1))],
