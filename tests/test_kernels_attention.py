@@ -325,3 +325,17 @@ def test_qkv_projection(weights, B):
     want = AP.ref_qkv_projection(h, layer.attn_norm, layer.attn, CFG)
     assert got.shape == (B, CFG.num_attention_heads + 2 * CFG.num_key_value_heads, CFG.head_dim)
     assert_ulp_close(got, want)
+
+
+def test_qkv_projection_load_order_knobs_keep_the_output_bits(monkeypatch):
+    """The norm prologue after the first weight loads, the global scale before the K loop (weight_tiles knobs):
+    the same bits as the old order."""
+    from flint_jax.pallas_kernels import weight_tiles as wt
+    layer = params("nvfp4").layers[0]
+    h = (3 * jax.random.normal(jax.random.key(45), (1, CFG.hidden_size))).astype(jnp.bfloat16)
+    outs = []
+    for flag in (True, False):
+        monkeypatch.setattr(wt, "NORM_AFTER_LOADS", flag)
+        monkeypatch.setattr(wt, "EARLY_EPILOGUE_LOADS", flag)
+        outs.append(np.asarray(AP.qkv_projection(h, layer.attn_norm, layer.attn, CFG, interpret=INTERPRET)))
+    np.testing.assert_array_equal(outs[0], outs[1])

@@ -197,3 +197,25 @@ def test_gemv_rejects_bad_shapes():
         G.gemv(jnp.zeros((9, 128), BF16), w, interpret=True)
     with pytest.raises(ValueError, match="K=64"):
         G.gemv(jnp.zeros((1, 64), BF16), w, interpret=True)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("bk,prefetch", [(512, False), (256, False), (256, True)],
+                         ids=["2_steps", "4_steps", "4_steps_prefetch"])
+def test_load_order_knobs_keep_the_output_bits(kind, bk, prefetch, monkeypatch):
+    """NORM_AFTER_LOADS and EARLY_EPILOGUE_LOADS only move loads: the fused-norm, residual GEMV and the dense SwiGLU
+    give the same bits with the norm prologue and the epilogue's loads in their old places (K in 2 steps: the
+    peeled first step and one more; in 4: the peeled step and a loop, also with the register prefetch)."""
+    n, k, m = 256, 1024, 1
+    x, nw, res = inputs(7, m, n, k)
+    w, u = make_weight(jax.random.PRNGKey(70), n, k, kind), make_weight(jax.random.PRNGKey(71), n, k, kind)
+    block = (8, bk, 4, 1, False, False, prefetch)
+    outs = []
+    for flag in (True, False):
+        monkeypatch.setattr(wt, "NORM_AFTER_LOADS", flag)
+        monkeypatch.setattr(wt, "EARLY_EPILOGUE_LOADS", flag)
+        outs.append([np.asarray(G.gemv(x, w, norm_weight=nw, residual=res, interpret=INTERPRET, block=block)),
+                     np.asarray(G.gemv_swiglu(x, w, u, norm_weight=nw, interpret=INTERPRET, block=block))])
+    for new, old in zip(*outs):
+        np.testing.assert_array_equal(new, old)
+    assert_residual_close(outs[0][0], G.ref_gemv(x, w, norm_weight=nw, residual=res), res)

@@ -164,6 +164,22 @@ def test_moe_block_routing_paths_agree(m, monkeypatch):
     np.testing.assert_array_equal(outs[0], outs[1])
 
 
+@pytest.mark.parametrize("m", [1, 3])
+def test_moe_block_load_order_knobs_keep_the_output_bits(m, monkeypatch):
+    """The router's norm after its first weight loads, the expert kernels' global scales and residual before their
+    K loops, one argmax per top-k round (weight_tiles / router knobs): the same output bits as the old forms."""
+    from flint_jax.pallas_kernels import weight_tiles as wt
+    layer = layer_of("nvfp4")
+    h = hidden(500 + m, m)
+    outs = []
+    for flag in (True, False):
+        monkeypatch.setattr(wt, "NORM_AFTER_LOADS", flag)
+        monkeypatch.setattr(wt, "EARLY_EPILOGUE_LOADS", flag)
+        monkeypatch.setattr(R, "TOPK_ARGMAX", flag)
+        outs.append(np.asarray(run_block(kernel_block, h, layer, CFG)))
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
 @pytest.mark.parametrize("m", [1, 3, 8])
 def test_gate_up_emits_the_routing_down_reads(m, monkeypatch):
     """ROUTING_TO_DOWN: the gate/up kernel's ids and weights are the router's top-k (ids equal, weights to 1e-6;
