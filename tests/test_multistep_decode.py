@@ -106,12 +106,14 @@ def test_pallas_bursts_match_single_steps(tiny_cfg, tiny_params):
     assert [(r.tokens, r.finish_reason) for r in results[0]] == [(r.tokens, r.finish_reason) for r in results[1]]
 
 
-def test_overlapped_bursts_still_admit_a_queued_request_early(engines):
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "sequential"])
+def test_bursts_still_admit_a_queued_request_early(engines, overlap):
     """A request that ends at its prefill frees its slot while another row decodes: the queued request starts after
-    one burst of that row, not when it finishes (the overlapped loop runs bursts only while no slot waits)."""
+    one burst of that row, not when it finishes (the decode loop runs bursts back to back only while no slot
+    waits)."""
     sampling = [SamplingParams(temperature=0.0, max_tokens=12), SamplingParams(temperature=0.0, max_tokens=1),
                 SamplingParams(temperature=0.0, max_tokens=3)]
-    order = [e.request for e in engines[3, True].stream([[4, 1, 4], [2, 2], [5, 6]], sampling)]
+    order = [e.request for e in engines[3, overlap].stream([[4, 1, 4], [2, 2], [5, 6]], sampling)]
     assert order.count(0) == 12 and order.count(2) == 3
     first_of_2 = order.index(2)
     assert order[:first_of_2].count(0) <= 1 + 3  # request 0's first token, then at most one burst of 3
