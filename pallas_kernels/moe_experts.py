@@ -35,6 +35,7 @@ from jax.experimental.pallas import triton as plt
 from flint_jax import layer_stack, layers
 from flint_jax.config import FlintConfig
 from flint_jax.pallas_kernels import gemv as gemv_mod
+from flint_jax.pallas_kernels import grid_sync
 from flint_jax.pallas_kernels import router as router_mod
 from flint_jax.pallas_kernels import weight_tiles as wt
 
@@ -63,6 +64,15 @@ PERSISTENT = False
 # reads them, instead of every down program recomputing the top-k from the logits: down's chain loses 6 rounds of
 # reductions before its first weight load. The output bits are unchanged (the same rounds, in the same order).
 ROUTING_TO_DOWN = True
+# Gate/up and down as one kernel (expert_gate_up_down): the gate/up programs come first in the grid and count their
+# arrival when their activation rows are stored; each down program computes its token's top-k, issues its first
+# weight loads, and only then waits for every gate/up program (grid_sync.wait_for: a dataflow edge to lower program
+# ids, not a grid barrier), so its routing and weight latency overlap the gate/up programs' work instead of following
+# it, and the block takes one launch less. Off until timed on the GPU (profile variant `fused_gate_up_down`).
+FUSED_DOWN = False
+# The router's programs too, first in that kernel's grid: the whole MoE block in one launch (fused_experts), the
+# gate/up and down programs waiting for the router's arrivals before reading its logits and b. Off until timed.
+FUSED_ROUTER = False
 
 
 def _pick(e_or_n: int, k: int, kind: str, block) -> tuple[int, int, int, int, bool, bool]:
@@ -78,10 +88,11 @@ def _slot_value(vec: jax.Array, slot) -> jax.Array:
     return jnp.sum(jnp.where(jax.lax.broadcasted_iota(jnp.int32, vec.shape, 0) == slot, vec, jnp.zeros_like(vec)))
 
 
-def routing_from_refs(route_a, route_b, k, norm, scaling, lazy_weights: bool = False):
+def routing_from_refs(route_a, route_b, k, norm, scaling, lazy_weights: bool = False, volatile: bool = False):
     """token(t) -> (k expert ids, k weights) of token t: read from the router's output (route_a, route_b = ids_ref,
     w_ref), or recomputed from the logits (logits_ref, bias_ref) on every call. lazy_weights: the weights come as a
-    function that emits their computation where it is called (router.top_k_lazy)."""
+    function that emits their computation where it is called (router.top_k_lazy). volatile: the logits were written
+    by other programs of the same launch (fused_experts with its router): read them past L1."""
     def token(t):
         if route_a.dtype == jnp.int32:
             ids_row = route_a[t, :]
@@ -90,7 +101,8 @@ def routing_from_refs(route_a, route_b, k, norm, scaling, lazy_weights: bool = F
                 w_row = route_b[t, :]
                 return [_slot_value(w_row, s) for s in range(k)]
             return [_slot_value(ids_row, s) for s in range(k)], (weights if lazy_weights else weights())
-        ids, weights = router_mod.top_k_lazy(route_a[t, :], route_b[...], k, norm, scaling)
+        row = plt.load(route_a.at[t, :], volatile=True) if volatile else route_a[t, :]
+        ids, weights = router_mod.top_k_lazy(row, route_b[...], k, norm, scaling)
         return ids, (weights if lazy_weights else weights())
     return token
 
@@ -241,9 +253,10 @@ def expert_gate_up(b: jax.Array, logits: jax.Array, moe, cfg: FlintConfig, *, in
     return tuple(outs) if emit_routing else outs[0]
 
 
-def down_tile(t, blk, token, xs, d_spec, down, s_spec, sdown, res_ref, store, *, m, k, bn, bk):
+def down_tile(t, blk, token, xs, d_spec, down, s_spec, sdown, res_ref, store, *, m, k, bn, bk, wait=None):
     """Rows [blk*bn, (blk+1)*bn) of token t's `residual + bf16(shared + sum_s w_s * expert_s)` from the activation
-    rows of gate_up_tile (xs), combined in FP32 and rounded once. store(t, n0, values bf16 [bn])."""
+    rows of gate_up_tile (xs), combined in FP32 and rounded once. store(t, n0, values bf16 [bn]). wait: called once
+    the routing is known and the first weight tiles are being loaded, before any activation is read (FUSED_DOWN)."""
     n0 = pl.multiple_of(blk * bn, bn)
     ids, ws = token(t)
     rows = [t * k + s for s in range(k)]
@@ -260,7 +273,7 @@ def down_tile(t, blk, token, xs, d_spec, down, s_spec, sdown, res_ref, store, *,
     sgs = wt.global_scale(s_spec, sdown, 0) if early and s_spec is not None else None
     res = res_ref[t, pl.ds(n0, bn)] if early else None
     accs = wt.stream_rows([xs] * len(rows), rows, weights, experts, n0, bn, bk,
-                          pairs=[(i, i) for i in range(len(rows))])
+                          pairs=[(i, i) for i in range(len(rows))], before_x=wait)
     if not early:
         gs = [wt.global_scale(d_spec, down, ids[s]) for s in range(k)]
         sgs = wt.global_scale(s_spec, sdown, 0) if s_spec is not None else None
@@ -316,6 +329,151 @@ def expert_down(act: jax.Array, logits: jax.Array, moe, cfg: FlintConfig, residu
     )(*operands)
 
 
+def _act_store(act_ref, kind: str, bn: int | None):
+    """store(row, n0, values [bn]) into rows kept in the layout a weight stream reads them in (wt.x_shape): NVFP4's
+    [rows, K/16, 16] takes bn < 16 values as part of one 16-value group. bn None: the values' own length, whole
+    groups (the router tile's normed rows b)."""
+    def store(pair, n0, values):
+        bn = values.shape[0] if bn_given is None else bn_given
+        if kind != "nvfp4":
+            act_ref[pair, pl.ds(n0, bn)] = values
+        elif bn % wt.GROUP == 0:
+            act_ref[pair, pl.ds(n0 // wt.GROUP, bn // wt.GROUP), :] = values.reshape(bn // wt.GROUP, wt.GROUP)
+        else:
+            act_ref[pair, pl.ds(n0 // wt.GROUP, 1), pl.ds(n0 % wt.GROUP, bn)] = values.reshape(1, bn)
+    bn_given = bn
+    return store
+
+
+def _fused_experts_kernel(*refs, n_in, m, mp, k, g_spec, s_spec, d_spec, sd_spec, router_block, gate_up_block,
+                          down_block, n_router, n_gate_up, norm, scaling, eps, compiled):
+    """Program roles by id: [router tiles (n_router, 0 without the router)] [gate/up tiles] [down tiles]. Each role
+    waits (grid_sync.wait_for) only for the roles before it: gate/up for every router tile (sync slot 1: logits, b),
+    down for the router (its top-k) and then, after issuing its first weight loads, for every gate/up tile (slot 0)."""
+    ins, outs = list(refs[:n_in]), list(refs[n_in:])
+    sync_ref = outs[-1]
+    ng, nd = g_spec.num_operands, d_spec.num_operands
+    ns = ng if s_spec is not None else 0
+    if n_router:
+        h_ref, nw_ref, r_ref, bias_ref, *w = ins
+        logits_ref, b_ref, act_ref, out_ref, _ = outs
+        route_a, x_ref = logits_ref, b_ref
+    else:
+        route_a, bias_ref, x_ref, *w = ins
+        act_ref, out_ref, _ = outs
+    gate, up, w = w[:ng], w[ng:2 * ng], w[2 * ng:]
+    sgate, sup, w = w[:ns], w[ns:2 * ns], w[2 * ns:]
+    down, sdown, res_ref = w[:nd], w[nd:nd + (len(w) - nd - 2)], w[-2]  # w[-1]: the sync buffer's input
+    p = pl.program_id(0)
+    gbn, gbk = gate_up_block
+    dbn, dbk = down_block
+    gu_blocks, d_blocks = g_spec.n // gbn, d_spec.n // dbn
+
+    def wait_router():
+        if n_router:
+            grid_sync.wait_for(sync_ref, 1, n_router, compiled)
+
+    if n_router:
+        @pl.when(p < n_router)
+        def _router():
+            be, bk = router_block
+            router_mod.logits_tile(p, h_ref, nw_ref, r_ref, logits_ref, _act_store(b_ref, g_spec.kind, None),
+                                   mp=mp, be=be, bk=bk, eps=eps, has_norm=True)
+            grid_sync.arrive(sync_ref, 1, compiled)
+
+    @pl.when((p >= n_router) & (p < n_router + n_gate_up))
+    def _gate_up():
+        q = p - n_router
+        wait_router()
+        token = routing_from_refs(route_a, bias_ref, k, norm, scaling, lazy_weights=True,
+                                  volatile=n_router > 0)  # ids only
+        gate_up_tile(q // gu_blocks, q % gu_blocks, token, wt.XSource(x_ref, g_spec.kind), g_spec, gate, up, s_spec,
+                     sgate, sup, _act_store(act_ref, d_spec.kind, gbn), m=m, k=k, bn=gbn, bk=gbk, elementwise=False,
+                     prefetch=False)
+        grid_sync.arrive(sync_ref, 0, compiled)
+
+    @pl.when(p >= n_router + n_gate_up)
+    def _down():
+        q = p - n_router - n_gate_up
+
+        def store_out(t, n0, values):
+            out_ref[t, pl.ds(n0, dbn)] = values
+
+        wait_router()
+        token = routing_from_refs(route_a, bias_ref, k, norm, scaling, volatile=n_router > 0)
+        down_tile(q // d_blocks, q % d_blocks, token, wt.XSource(act_ref, d_spec.kind), d_spec, down,
+                  sd_spec, sdown, res_ref, store_out, m=m, k=k, bn=dbn, bk=dbk,
+                  wait=lambda: grid_sync.wait_for(sync_ref, 0, n_gate_up, compiled))
+
+
+def fused_experts(h: jax.Array, layer, cfg: FlintConfig, *, logits=None, b=None, interpret: bool = False,
+                  with_sync: bool = False):
+    """The MoE block's expert part in one kernel (FUSED_DOWN), and with FUSED_ROUTER its router too:
+    `residual h + experts(b)` [M, H] bf16, the three kernels' bits. h [M, H] bf16 (the residual; with the router
+    also its input). logits [M, E] f32 and b = rmsnorm(h) [M, H] from router_logits when the router is not fused
+    (both given), else computed by the kernel's router programs. with_sync: also return the sync buffer ([0] gate/up
+    programs arrived, [1] router programs, [TIMEOUT_SLOT] waits given up, which must be 0)."""
+    moe = layer.mlp
+    m, hidden = h.shape
+    if not 1 <= m <= 8:
+        raise ValueError(f"the fused expert kernel serves M = 1..8 rows, got {m}")
+    with_router = logits is None
+    if with_router != (b is None):
+        raise ValueError("give both logits and b (router run separately) or neither (router fused)")
+    k = cfg.num_experts_per_tok
+    mp = wt.pow2_rows(m)
+    g_spec, g_ops = wt.weight_operands(moe.gate, stacked=True)
+    _, u_ops = wt.weight_operands(moe.up, stacked=True)
+    d_spec, d_ops = wt.weight_operands(moe.down, stacked=True)
+    s_spec, shared_gu, sd_spec, shared_down = shared_expert_operands(moe)
+    gate_up_table, down_table = ((GATE_UP_BLOCK, DOWN_BLOCK) if g_spec.kind == "nvfp4"
+                                 else (BF16_GATE_UP_BLOCK, BF16_DOWN_BLOCK))
+    gbn, gbk, g_warps, g_stages, _, _ = _pick(g_spec.n, hidden, g_spec.kind, gate_up_table)
+    dbn, dbk, _, _, _, _ = _pick(hidden, d_spec.k, d_spec.kind, down_table)
+    if d_spec.kind == "nvfp4" and gbn % wt.GROUP and wt.GROUP % gbn:
+        raise NotImplementedError(f"gate/up blocks of {gbn} rows do not tile NVFP4's {wt.GROUP}-value groups")
+    pairs = m * (k + int(s_spec is not None))
+    n_gate_up = pairs * (g_spec.n // gbn)
+    n_down = m * (hidden // dbn)
+    experts = [*g_ops, *u_ops, *shared_gu, *d_ops, *shared_down, h.astype(BF16), grid_sync.sync_buffer()]
+    outs = [jax.ShapeDtypeStruct(wt.x_shape(pairs, g_spec.n, d_spec.kind), BF16),
+            jax.ShapeDtypeStruct((m, hidden), BF16), jax.ShapeDtypeStruct((grid_sync.SYNC_SLOTS,), jnp.int32)]
+    e = moe.router.shape[-2]
+    if with_router:
+        be, rbk = wt.largest_pow2_divisor(e, ROUTER_BLOCK[0]), wt.largest_pow2_divisor(hidden, ROUTER_BLOCK[1])
+        n_router = e // be
+        nw = layer.mlp_norm.astype(BF16)
+        operands = [wt.pad_rows(h.astype(BF16), mp), nw, wt.lead_axis(moe.router).astype(F32),
+                    moe.router_bias.astype(F32), *experts]
+        outs = [jax.ShapeDtypeStruct((mp, e), F32), jax.ShapeDtypeStruct(wt.x_shape(mp, hidden, g_spec.kind), BF16),
+                *outs]
+    else:
+        be = rbk = None
+        n_router = 0
+        operands = [logits.astype(F32), moe.router_bias.astype(F32), wt.x_operand(b.astype(BF16), g_spec.kind),
+                    *experts]
+    n_in = len(operands)
+    operands, in_specs = layer_stack.kernel_args(operands)
+    kernel = functools.partial(_fused_experts_kernel, n_in=n_in, m=m, mp=mp, k=k, g_spec=g_spec, s_spec=s_spec,
+                               d_spec=d_spec, sd_spec=sd_spec, router_block=(be, rbk), gate_up_block=(gbn, gbk),
+                               down_block=(dbn, dbk), n_router=n_router, n_gate_up=n_gate_up,
+                               norm=bool(cfg.norm_topk_prob), scaling=float(cfg.routed_scaling_factor),
+                               eps=float(cfg.rms_norm_eps), compiled=not interpret)
+    results = pl.pallas_call(
+        kernel,
+        out_shape=outs,
+        grid=(n_router + n_gate_up + n_down,),
+        in_specs=in_specs,
+        out_specs=[pl.no_block_spec] * len(outs),
+        input_output_aliases={n_in - 1: len(outs) - 1},
+        compiler_params=plt.CompilerParams(num_warps=g_warps, num_stages=g_stages),
+        interpret=interpret,
+        name=f"moe_{'block' if with_router else 'experts'}_{g_spec.kind}",
+    )(*operands)
+    out, sync = results[-2], results[-1]
+    return (out, sync) if with_sync else out
+
+
 def moe_block(h: jax.Array, layer, cfg: FlintConfig, *, interpret: bool = False, blocks: dict | None = None):
     """`layers.mlp_block(h, layer, cfg)` for an MoE layer: three kernels, or one persistent kernel for at most
     moe_persistent.PERSISTENT_MAX_ROWS rows when PERSISTENT is set. h [..., H] bf16 with at most 8 rows.
@@ -328,6 +486,8 @@ def moe_block(h: jax.Array, layer, cfg: FlintConfig, *, interpret: bool = False,
     if PERSISTENT and not blocks and flat.shape[0] <= moe_persistent.PERSISTENT_MAX_ROWS:
         return moe_persistent.moe_block_persistent(h, layer_stack.materialize(layer), cfg, interpret=interpret)
     moe = layer.mlp
+    if FUSED_ROUTER and not blocks:
+        return fused_experts(flat, layer, cfg, interpret=interpret).reshape(*lead, -1)
     block = blocks.get("router", ROUTER_BLOCK)
     if ROUTE_IN_ROUTER:
         logits, b, ids, ws = router_mod.router_logits(flat, moe.router, norm_weight=layer.mlp_norm,
@@ -338,6 +498,8 @@ def moe_block(h: jax.Array, layer, cfg: FlintConfig, *, interpret: bool = False,
         logits, b = router_mod.router_logits(flat, moe.router, norm_weight=layer.mlp_norm, eps=cfg.rms_norm_eps,
                                              interpret=interpret, block=block)
         routing = None
+        if FUSED_DOWN and "gate_up" not in blocks and "down" not in blocks:
+            return fused_experts(flat, layer, cfg, logits=logits, b=b, interpret=interpret).reshape(*lead, -1)
     if routing is None and ROUTING_TO_DOWN:
         act, ids, ws = expert_gate_up(b, logits, moe, cfg, interpret=interpret, block=blocks.get("gate_up"),
                                       emit_routing=True)

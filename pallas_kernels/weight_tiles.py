@@ -257,7 +257,7 @@ def row_norms(xs: XSource, rows: int, k: int):
 def stream_rows(xs: Sequence[XSource], rows: Sequence, weights: Sequence[tuple[WeightSpec, Sequence]],
                 experts: Sequence, n0, bn: int, bk: int, inv: Sequence | None = None,
                 pairs: Sequence[tuple[int, int]] | None = None, elementwise: bool = False,
-                prefetch: bool = False) -> list[jax.Array]:
+                prefetch: bool = False, before_x=None) -> list[jax.Array]:
     """FP32 accumulators `x_r @ W_w[e_w, n0:n0+bn, :].T` (without the global scale), one per (w, r) in `pairs`
     (default: every weight with every row, weight-major).
 
@@ -270,8 +270,10 @@ def stream_rows(xs: Sequence[XSource], rows: Sequence, weights: Sequence[tuple[W
     `prefetch`: load step t+1's tiles before computing step t (a register double buffer carried by the loop):
     Triton's num_stages pipelining only applies to loads that feed a dot, so without this every step waits for its
     own loads. `inv` may be a function returning the rows' inv_rms: it is called after the first K step's loads are
-    issued, so the weights' HBM latency overlaps the norm prologue's reduction (NORM_AFTER_LOADS). Returns f32 [bn]
-    per pair."""
+    issued, so the weights' HBM latency overlaps the norm prologue's reduction (NORM_AFTER_LOADS). `before_x`: a
+    function called after the first K step's weight loads are issued and before any activation is loaded (a kernel
+    that waits there for another program's activations has its weights on the way meanwhile). Returns f32 [bn] per
+    pair."""
     spec0 = weights[0][0]
     for spec, _ in weights:
         if (spec.kind, spec.k) != (spec0.kind, spec0.k):
@@ -295,8 +297,10 @@ def stream_rows(xs: Sequence[XSource], rows: Sequence, weights: Sequence[tuple[W
         shape = (bn, bk) if elementwise else (bn,)
     init = tuple(jnp.zeros(shape, F32) for _ in pairs)
 
-    def load(t):
-        xr = tuple(tuple(xs[r].load(rows[r], t, bk, h) for h in halves) for r in used_rows)
+    def load_x(t):
+        return tuple(tuple(xs[r].load(rows[r], t, bk, h) for h in halves) for r in used_rows)
+
+    def load_w(t):
         wr = []
         for wi in used_weights:
             (_, refs), e = weights[wi], experts[wi]
@@ -307,7 +311,11 @@ def stream_rows(xs: Sequence[XSource], rows: Sequence, weights: Sequence[tuple[W
                            scales[e, pl.ds(n0, bn), pl.ds(half_groups + g0, g)]))
             else:
                 wr.append((refs[0][e, pl.ds(n0, bn), pl.ds(k_start(t, bk), bk)],))
-        return xr, tuple(wr)
+        return tuple(wr)
+
+    def load(t):
+        xr = load_x(t)
+        return xr, load_w(t)
 
     def compute(raw, accs):
         xr, wr = raw
@@ -336,9 +344,15 @@ def stream_rows(xs: Sequence[XSource], rows: Sequence, weights: Sequence[tuple[W
                     accs[i] = accs[i] + (prod if elementwise else jnp.sum(prod, axis=1))
         return tuple(accs)
 
-    if inv_later is not None:  # the first step's loads go out before the norm's reduction (and its barriers)
-        first = load(0)
-        inv = list(inv_later())  # RowNorms keeps them for the caller
+    if inv_later is not None or before_x is not None:
+        if before_x is not None:  # the first step's weights, then the caller's wait, then its activations
+            w0 = load_w(0)
+            before_x()
+            first = (load_x(0), w0)
+        else:
+            first = load(0)
+        if inv_later is not None:  # after the first step's loads: they go out before the norm's reduction
+            inv = list(inv_later())  # RowNorms keeps them for the caller
         accs = compute(first, init)
         if prefetch and steps > 1:
             def body(t, carry):
