@@ -15,6 +15,10 @@
                                     expert's, combined in FP32 with the routing weights, rounded once, plus the
                                     residual                                                        h_new [M, H]
     dense_mlp_block(h, layer, cfg)  = layers.mlp_block for a dense layer: gemv_swiglu + gemv(residual), two kernels.
+    fused_experts(h, layer, cfg)    kernels 2-3 (FUSED_DOWN), or 1-3 (FUSED_ROUTER), as one launch whose programs
+                                    are ordered by role and wait for the earlier roles' arrival counts instead of a
+                                    kernel boundary (grid_sync.arrive / wait_for); the same bits. Off by default
+                                    until timed on the GPU.
 
 Expert ids are data: a program derives them from the logits (or reads them) at run time and indexes the stacked
 [E, N, K] weights with them (Triton pointer arithmetic), so one compiled kernel serves every routing and only the
