@@ -12,6 +12,7 @@ values a thread takes per K step.
     python scripts/kernel_sass.py --out /tmp/sass --n 2048 --k 4096 --rows 1              # O projection, NVFP4
     python scripts/kernel_sass.py --out /tmp/sass --n 2048 --k 4096 --rows 8 --block 32,256,2,3,1
     python scripts/kernel_sass.py --out /tmp/sass --mode logits --n 151552 --k 2048 --norm
+    python scripts/kernel_sass.py --out /tmp/sass --moe fused_router        # every kernel of the MoE block
 """
 
 from __future__ import annotations
@@ -69,6 +70,50 @@ def capture_ttir(mode: str, n: int, k: int, rows: int, weights: str, block, norm
     return captured[0], blocks
 
 
+MOE_VARIANTS = {"three": {}, "fused_down": {"FUSED_DOWN": True}, "fused_router": {"FUSED_ROUTER": True}}
+
+
+def capture_moe_ttirs(variant: str, weights: str, rows: int) -> list[tuple[str, str, int, int]]:
+    """(kernel name, Triton IR, num_warps, num_stages) of every kernel of Flint's MoE block (moe_experts.mlp_block
+    on one MoE layer at the full shape, abstract parameters) with the knobs of MOE_VARIANTS[variant]."""
+    from jax._src.pallas.triton import pallas_call_registration as reg
+
+    from flint_jax.config import FlintConfig
+    from flint_jax.params import init_params
+    from flint_jax.pallas_kernels import moe_experts
+    from flint_jax.pallas_path import lowering_for_gpu
+
+    cfg = FlintConfig.flint(num_hidden_layers=3)
+    params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0), weights))
+    layer = params.layers[cfg.first_k_dense_replace]
+    h = jax.ShapeDtypeStruct((rows, cfg.hidden_size), jnp.bfloat16)
+    captured = []
+    original = reg.lowering.lower_jaxpr_to_triton_module
+
+    def capture(*args, **kwargs):
+        result = original(*args, **kwargs)
+        captured.append(result.module.operation.get_asm(enable_debug_info=False))
+        return result
+
+    saved = {k: getattr(moe_experts, k) for k in MOE_VARIANTS[variant]}
+    reg.lowering.lower_jaxpr_to_triton_module = capture
+    try:
+        for k, v in MOE_VARIANTS[variant].items():
+            setattr(moe_experts, k, v)
+        with lowering_for_gpu():
+            text = jax.jit(lambda h, layer: moe_experts.mlp_block(h, layer, cfg)).trace(h, layer).lower(
+                lowering_platforms=("cuda",)).as_text()
+    finally:
+        reg.lowering.lower_jaxpr_to_triton_module = original
+        for k, v in saved.items():
+            setattr(moe_experts, k, v)
+    # the custom calls' attributes, in program order: name, num_stages, num_warps
+    calls = re.findall(r'name = "([^"]+)".*?num_stages = (\d+) : i32, num_warps = (\d+) : i32', text, re.S)
+    if len(calls) != len(captured):
+        raise SystemExit(f"kernel_sass: {len(captured)} Triton modules but {len(calls)} calls in the lowering")
+    return [(name, ir, int(warps), int(stages)) for (name, stages, warps), ir in zip(calls, captured)]
+
+
 def opcode_counts(sass: str) -> collections.Counter:
     """SASS opcodes (predicates and modifiers dropped) of a cuobjdump/Triton listing."""
     counts = collections.Counter()
@@ -105,8 +150,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="directory for NAME.ttir (and NAME.sass, NAME.ptx)")
     ap.add_argument("--mode", default="linear", choices=("linear", "logits"), help="gemv.gemv or gemv.gemv_logits")
-    ap.add_argument("--n", type=int, required=True, help="output rows of the weight")
-    ap.add_argument("--k", type=int, required=True, help="input features")
+    ap.add_argument("--n", type=int, help="output rows of the weight (required without --moe)")
+    ap.add_argument("--k", type=int, help="input features (required without --moe)")
     ap.add_argument("--rows", type=int, default=1, help="activation rows M (1-8)")
     ap.add_argument("--weights", default="nvfp4", choices=("nvfp4", "bf16"))
     ap.add_argument("--block", default=None,
@@ -114,7 +159,14 @@ def main(argv=None) -> int:
     ap.add_argument("--norm", action="store_true", help="with the fused RMSNorm prologue")
     ap.add_argument("--name", default=None, help="file name stem (default from the arguments)")
     ap.add_argument("--ttir-only", action="store_true", help="write the IR only, even where Triton is installed")
+    ap.add_argument("--moe", default=None, choices=tuple(MOE_VARIANTS),
+                    help="instead of one GEMV: every kernel of the MoE block at the Flint shape (three kernels, or "
+                         "the fused forms), with registers and spills")
     args = ap.parse_args(argv)
+    if args.moe:
+        return moe_main(args)
+    if args.n is None or args.k is None:
+        ap.error("--n and --k are required (or --moe)")
     block = None
     if args.block:
         parts = [int(v) for v in args.block.split(",")]
@@ -146,6 +198,26 @@ def main(argv=None) -> int:
     print(f"  {per_thread:g} weight values per thread per K step ({blocks.bn} rows x {blocks.bk} values / "
           f"{blocks.num_warps * 32} threads): {total / per_thread:.1f} static instructions per value (all "
           f"{args.rows} activation rows; a K loop's body counts once)")
+    return 0
+
+
+def moe_main(args) -> int:
+    os.makedirs(args.out, exist_ok=True)
+    have_triton = importlib.util.find_spec("triton") is not None and not args.ttir_only
+    for i, (name, ttir, warps, stages) in enumerate(capture_moe_ttirs(args.moe, args.weights, args.rows)):
+        stem = f"moe_{args.moe}_{args.weights}_m{args.rows}_{i}_{name}"
+        path = os.path.join(args.out, stem + ".ttir")
+        with open(path, "w") as f:
+            f.write(ttir)
+        line = f"{name}: {warps} warps, {stages} stages; Triton IR -> {path}"
+        if have_triton:
+            result = compile_sass(path, warps, stages)
+            with open(os.path.join(args.out, stem + ".sass"), "w") as f:
+                f.write(result["sass"])
+            line += f"; {result['resources']}; {sum(opcode_counts(result['sass']).values())} SASS instructions"
+        print(line)
+    if not have_triton:
+        print("triton is not installed here: `pip install triton==3.6.0` (the GPU machine's version) for the SASS")
     return 0
 
 

@@ -82,6 +82,18 @@ def test_kernel_sass_writes_the_triton_ir(tmp_path):
     assert p.returncode != 0 and "--block wants bn,bk,warps,stages[,dot]" in (p.stdout + p.stderr)
 
 
+def test_kernel_sass_lists_the_fused_moe_block(tmp_path):
+    """--moe: every Triton kernel of Flint's MoE block; with FUSED_ROUTER the block is one kernel whose IR holds
+    the dataflow waits (atomic arrivals, a polling loop)."""
+    out = run_script("kernel_sass.py", "--out", str(tmp_path), "--moe", "fused_router", "--ttir-only")
+    assert out.count("Triton IR ->") == 1 and "moe_block_nvfp4: 4 warps" in out
+    ttir = next(tmp_path.glob("moe_fused_router_nvfp4_m1_0_*.ttir")).read_text()
+    assert "tt.atomic_rmw" in ttir and "scf.while" in ttir
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "kernel_sass.py"), "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert p.returncode != 0 and "--n and --k are required" in (p.stdout + p.stderr)
+
+
 def test_dispatch_overhead_runs():
     out = run_script("dispatch_overhead.py", "--iters", "2")
     assert "nvfp4: " in out and "bf16: " in out and "parameter buffers" in out
