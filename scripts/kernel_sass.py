@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import importlib.util
 import os
 import re
@@ -33,14 +34,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 
-def capture_ttir(mode: str, n: int, k: int, rows: int, weights: str, block, norm: bool) -> tuple[str, object]:
-    """(Triton IR text of the kernel, its Blocks), from a CUDA lowering on this machine."""
+@contextlib.contextmanager
+def capturing_triton_ir():
+    """Within the block, every Pallas Triton kernel lowered appends its Triton IR (text) to the yielded list."""
     from jax._src.pallas.triton import pallas_call_registration as reg
-
-    from flint_jax import nvfp4
-    from flint_jax.pallas_kernels import gemv
-    from flint_jax.pallas_kernels import weight_tiles as wt
-    from flint_jax.pallas_path import lowering_for_gpu
 
     captured = []
     original = reg.lowering.lower_jaxpr_to_triton_module
@@ -50,6 +47,20 @@ def capture_ttir(mode: str, n: int, k: int, rows: int, weights: str, block, norm
         captured.append(result.module.operation.get_asm(enable_debug_info=False))
         return result
 
+    reg.lowering.lower_jaxpr_to_triton_module = capture
+    try:
+        yield captured
+    finally:
+        reg.lowering.lower_jaxpr_to_triton_module = original
+
+
+def capture_ttir(mode: str, n: int, k: int, rows: int, weights: str, block, norm: bool) -> tuple[str, object]:
+    """(Triton IR text of the kernel, its Blocks), from a CUDA lowering on this machine."""
+    from flint_jax import nvfp4
+    from flint_jax.pallas_kernels import gemv
+    from flint_jax.pallas_kernels import weight_tiles as wt
+    from flint_jax.pallas_path import lowering_for_gpu
+
     if weights == "nvfp4":
         w = jax.eval_shape(lambda: nvfp4.random(jax.random.key(0), (n, k)))
     else:
@@ -57,13 +68,9 @@ def capture_ttir(mode: str, n: int, k: int, rows: int, weights: str, block, norm
     x = jax.ShapeDtypeStruct((rows, k), jnp.bfloat16)
     nw = jax.ShapeDtypeStruct((k,), jnp.bfloat16)
     fn = gemv.gemv_logits if mode == "logits" else gemv.gemv
-    reg.lowering.lower_jaxpr_to_triton_module = capture
-    try:
-        with lowering_for_gpu():
-            jax.jit(lambda x, w, nw: fn(x, w, norm_weight=nw if norm else None, block=block)).trace(
-                x, w, nw).lower(lowering_platforms=("cuda",))
-    finally:
-        reg.lowering.lower_jaxpr_to_triton_module = original
+    with capturing_triton_ir() as captured, lowering_for_gpu():
+        jax.jit(lambda x, w, nw: fn(x, w, norm_weight=nw if norm else None, block=block)).trace(
+            x, w, nw).lower(lowering_platforms=("cuda",))
     if len(captured) != 1:
         raise SystemExit(f"kernel_sass: expected one Triton kernel, the lowering produced {len(captured)}")
     blocks = gemv.resolve_blocks(wt.WeightSpec(weights, 1, n, k), wt.pow2_rows(rows), 1, block)
@@ -76,8 +83,6 @@ MOE_VARIANTS = {"three": {}, "fused_down": {"FUSED_DOWN": True}, "fused_router":
 def capture_moe_ttirs(variant: str, weights: str, rows: int) -> list[tuple[str, str, int, int]]:
     """(kernel name, Triton IR, num_warps, num_stages) of every kernel of Flint's MoE block (moe_experts.mlp_block
     on one MoE layer at the full shape, abstract parameters) with the knobs of MOE_VARIANTS[variant]."""
-    from jax._src.pallas.triton import pallas_call_registration as reg
-
     from flint_jax.config import FlintConfig
     from flint_jax.params import init_params
     from flint_jax.pallas_kernels import moe_experts
@@ -87,24 +92,14 @@ def capture_moe_ttirs(variant: str, weights: str, rows: int) -> list[tuple[str, 
     params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0), weights))
     layer = params.layers[cfg.first_k_dense_replace]
     h = jax.ShapeDtypeStruct((rows, cfg.hidden_size), jnp.bfloat16)
-    captured = []
-    original = reg.lowering.lower_jaxpr_to_triton_module
-
-    def capture(*args, **kwargs):
-        result = original(*args, **kwargs)
-        captured.append(result.module.operation.get_asm(enable_debug_info=False))
-        return result
-
     saved = {k: getattr(moe_experts, k) for k in MOE_VARIANTS[variant]}
-    reg.lowering.lower_jaxpr_to_triton_module = capture
     try:
         for k, v in MOE_VARIANTS[variant].items():
             setattr(moe_experts, k, v)
-        with lowering_for_gpu():
+        with capturing_triton_ir() as captured, lowering_for_gpu():
             text = jax.jit(lambda h, layer: moe_experts.mlp_block(h, layer, cfg)).trace(h, layer).lower(
                 lowering_platforms=("cuda",)).as_text()
     finally:
-        reg.lowering.lower_jaxpr_to_triton_module = original
         for k, v in saved.items():
             setattr(moe_experts, k, v)
     # the custom calls' attributes, in program order: name, num_stages, num_warps
