@@ -77,6 +77,16 @@ FUSED_DOWN = False
 # The router's programs too, first in that kernel's grid: the whole MoE block in one launch (fused_experts), the
 # gate/up and down programs waiting for the router's arrivals before reading its logits and b. Off until timed.
 FUSED_ROUTER = False
+# The attention's output projection and residual too (fused_experts with o: the decode path's attention block then
+# stops before Wo, pallas_path.PendingProjection; the router is then always in the kernel), at up to
+# FUSED_O_MAX_ROWS rows on the FMA path, with K tiles of at most FUSED_O_BK values. Off until timed.
+FUSED_O = False
+FUSED_O_MAX_ROWS = 2
+# The separate projection kernel takes Flint's K = 4096 in one step on 8 warps; on the fused kernel's 4 warps that
+# needs 196 registers per thread (2 programs per SM for every role), two steps of 2048 need 126 (as the other fused
+# kernels; upstream Triton 3.6, scripts/kernel_sass.py --moe layer_tail). Two steps sum K in another FP32 order, so
+# at the Flint shape an output may differ from the separate kernels' by its BF16 rounding; 4096 keeps their bits.
+FUSED_O_BK = 2048
 
 
 def _pick(e_or_n: int, k: int, kind: str, block) -> tuple[int, int, int, int, bool, bool]:
@@ -349,15 +359,20 @@ def _act_store(act_ref, kind: str, bn: int | None):
     return store
 
 
-def _fused_experts_kernel(*refs, n_in, m, mp, k, g_spec, s_spec, d_spec, sd_spec, router_block, gate_up_block,
-                          down_block, n_router, n_gate_up, norm, scaling, eps, compiled):
-    """Program roles by id: [router tiles (n_router, 0 without the router)] [gate/up tiles] [down tiles]. Each role
-    waits (grid_sync.wait_for) only for the roles before it: gate/up for every router tile (sync slot 1: logits, b),
+def _fused_experts_kernel(*refs, n_in, m, mp, k, o_spec, g_spec, s_spec, d_spec, sd_spec, o_block, router_block,
+                          gate_up_block, down_block, n_o, n_router, n_gate_up, norm, scaling, eps, compiled):
+    """Program roles by id: [output projection tiles (n_o; with FUSED_O)] [router tiles (n_router; with the
+    router)] [gate/up tiles] [down tiles]. Each role waits (grid_sync.wait_for) only for roles before it: the router
+    for every projection tile (sync slot 2: h after attention), gate/up for every router tile (slot 1: logits, b),
     down for the router (its top-k) and then, after issuing its first weight loads, for every gate/up tile (slot 0)."""
     ins, outs = list(refs[:n_in]), list(refs[n_in:])
     sync_ref = outs[-1]
-    ng, nd = g_spec.num_operands, d_spec.num_operands
+    no, ng, nd = (o_spec.num_operands if n_o else 0), g_spec.num_operands, d_spec.num_operands
     ns = ng if s_spec is not None else 0
+    if n_o:
+        ox_ref, *ins = ins
+        o_refs, ins = ins[:no], ins[no:]
+        hnew_ref, *outs = outs
     if n_router:
         h_ref, nw_ref, r_ref, bias_ref, *w = ins
         logits_ref, b_ref, act_ref, out_ref, _ = outs
@@ -367,27 +382,49 @@ def _fused_experts_kernel(*refs, n_in, m, mp, k, g_spec, s_spec, d_spec, sd_spec
         act_ref, out_ref, _ = outs
     gate, up, w = w[:ng], w[ng:2 * ng], w[2 * ng:]
     sgate, sup, w = w[:ns], w[ns:2 * ns], w[2 * ns:]
-    down, sdown, res_ref = w[:nd], w[nd:nd + (len(w) - nd - 2)], w[-2]  # w[-1]: the sync buffer's input
+    w = w[:-1]  # the sync buffer's input
+    if n_o:  # h after attention, which the projection tiles write, is the router's input and down's residual
+        down, sdown, res_ref = w[:nd], w[nd:], hnew_ref
+        h_in_ref, h_ref = h_ref, hnew_ref
+    else:
+        down, sdown, res_ref = w[:nd], w[nd:-1], w[-1]
     p = pl.program_id(0)
     gbn, gbk = gate_up_block
     dbn, dbk = down_block
     gu_blocks, d_blocks = g_spec.n // gbn, d_spec.n // dbn
+    first_gate_up = n_o + n_router
 
     def wait_router():
         if n_router:
             grid_sync.wait_for(sync_ref, 1, n_router, compiled)
 
+    if n_o:
+        @pl.when(p < n_o)
+        def _projection():  # gemv.gemv with the residual: hnew = h + bf16(o @ Wo.T)
+            obn, obk = o_block
+            n0 = pl.multiple_of(p * obn, obn)
+            gs = wt.global_scale(o_spec, o_refs, 0)
+            residual = [h_in_ref[r, pl.ds(n0, obn)] for r in range(mp)]
+            xs = wt.XSource(ox_ref, o_spec.kind)
+            accs = wt.stream_rows([xs] * mp, list(range(mp)), [(o_spec, o_refs)], [0], n0, obn, obk)
+            for r in range(mp):
+                y = wt.apply_global_scale(accs[r], gs).astype(BF16)
+                hnew_ref[r, pl.ds(n0, obn)] = (residual[r].astype(F32) + y.astype(F32)).astype(BF16)
+            grid_sync.arrive(sync_ref, 2, compiled)
+
     if n_router:
-        @pl.when(p < n_router)
+        @pl.when((p >= n_o) & (p < first_gate_up))
         def _router():
+            if n_o:
+                grid_sync.wait_for(sync_ref, 2, n_o, compiled)
             be, bk = router_block
-            router_mod.logits_tile(p, h_ref, nw_ref, r_ref, logits_ref, _act_store(b_ref, g_spec.kind, None),
+            router_mod.logits_tile(p - n_o, h_ref, nw_ref, r_ref, logits_ref, _act_store(b_ref, g_spec.kind, None),
                                    mp=mp, be=be, bk=bk, eps=eps, has_norm=True)
             grid_sync.arrive(sync_ref, 1, compiled)
 
-    @pl.when((p >= n_router) & (p < n_router + n_gate_up))
+    @pl.when((p >= first_gate_up) & (p < first_gate_up + n_gate_up))
     def _gate_up():
-        q = p - n_router
+        q = p - first_gate_up
         wait_router()
         token = routing_from_refs(route_a, bias_ref, k, norm, scaling, lazy_weights=True,
                                   volatile=n_router > 0)  # ids only
@@ -396,9 +433,9 @@ def _fused_experts_kernel(*refs, n_in, m, mp, k, g_spec, s_spec, d_spec, sd_spec
                      prefetch=False)
         grid_sync.arrive(sync_ref, 0, compiled)
 
-    @pl.when(p >= n_router + n_gate_up)
+    @pl.when(p >= first_gate_up + n_gate_up)
     def _down():
-        q = p - n_router - n_gate_up
+        q = p - first_gate_up - n_gate_up
 
         def store_out(t, n0, values):
             out_ref[t, pl.ds(n0, dbn)] = values
@@ -410,13 +447,20 @@ def _fused_experts_kernel(*refs, n_in, m, mp, k, g_spec, s_spec, d_spec, sd_spec
                   wait=lambda: grid_sync.wait_for(sync_ref, 0, n_gate_up, compiled))
 
 
-def fused_experts(h: jax.Array, layer, cfg: FlintConfig, *, logits=None, b=None, interpret: bool = False,
+def fuses_output_projection(layer, batch: int) -> bool:
+    """Whether the decode path hands this layer's attention output to fused_experts (FUSED_O): MoE layers at up to
+    FUSED_O_MAX_ROWS rows (more rows take the tensor-core projection kernel)."""
+    return FUSED_O and hasattr(layer.mlp, "router") and batch <= FUSED_O_MAX_ROWS
+
+
+def fused_experts(h: jax.Array, layer, cfg: FlintConfig, *, logits=None, b=None, o=None, interpret: bool = False,
                   with_sync: bool = False):
-    """The MoE block's expert part in one kernel (FUSED_DOWN), and with FUSED_ROUTER its router too:
-    `residual h + experts(b)` [M, H] bf16, the three kernels' bits. h [M, H] bf16 (the residual; with the router
-    also its input). logits [M, E] f32 and b = rmsnorm(h) [M, H] from router_logits when the router is not fused
-    (both given), else computed by the kernel's router programs. with_sync: also return the sync buffer ([0] gate/up
-    programs arrived, [1] router programs, [TIMEOUT_SLOT] waits given up, which must be 0)."""
+    """The MoE block's expert part in one kernel (FUSED_DOWN), with FUSED_ROUTER its router too, and with `o` the
+    attention's output projection and residual before it: `h1 + experts(rmsnorm(h1))` [M, H] bf16 with the separate
+    kernels' bits, where h1 = h + o @ Wo.T with o [M, Hq * D] bf16 given, else h1 = h.
+    logits [M, E] f32 and b = rmsnorm(h) [M, H] from router_logits when the router is not fused (both given, no o),
+    else computed by the kernel's router programs. with_sync: also return the sync buffer ([0] gate/up programs
+    arrived, [1] router programs, [2] projection programs, [TIMEOUT_SLOT] waits given up, which must be 0)."""
     moe = layer.mlp
     m, hidden = h.shape
     if not 1 <= m <= 8:
@@ -424,6 +468,8 @@ def fused_experts(h: jax.Array, layer, cfg: FlintConfig, *, logits=None, b=None,
     with_router = logits is None
     if with_router != (b is None):
         raise ValueError("give both logits and b (router run separately) or neither (router fused)")
+    if o is not None and not with_router:
+        raise ValueError("with o (the projection fused) the router runs in the kernel: give no logits and b")
     k = cfg.num_experts_per_tok
     mp = wt.pow2_rows(m)
     g_spec, g_ops = wt.weight_operands(moe.gate, stacked=True)
@@ -439,40 +485,56 @@ def fused_experts(h: jax.Array, layer, cfg: FlintConfig, *, logits=None, b=None,
     pairs = m * (k + int(s_spec is not None))
     n_gate_up = pairs * (g_spec.n // gbn)
     n_down = m * (hidden // dbn)
-    experts = [*g_ops, *u_ops, *shared_gu, *d_ops, *shared_down, h.astype(BF16), grid_sync.sync_buffer()]
+    experts = [*g_ops, *u_ops, *shared_gu, *d_ops, *shared_down]
     outs = [jax.ShapeDtypeStruct(wt.x_shape(pairs, g_spec.n, d_spec.kind), BF16),
             jax.ShapeDtypeStruct((m, hidden), BF16), jax.ShapeDtypeStruct((grid_sync.SYNC_SLOTS,), jnp.int32)]
     e = moe.router.shape[-2]
+    o_spec, o_block, n_o, lead = None, None, 0, []
+    if o is not None:
+        o_spec, o_ops = wt.weight_operands(layer.attn.o)
+        if o.shape != (m, o_spec.k) or o_spec.n != hidden:
+            raise ValueError(f"o must be [{m}, {o_spec.k}] for an output projection [{hidden}, {o_spec.k}], got "
+                             f"{o.shape}")
+        ob = gemv_mod.pick_blocks(o_spec, mp, allow_dot=False)
+        o_block = (ob.bn, wt.k_tile(o_spec, min(ob.bk, FUSED_O_BK)))
+        n_o = hidden // ob.bn
+        lead = [wt.x_operand(wt.pad_rows(o.astype(BF16), mp), o_spec.kind), *o_ops]
+        outs = [jax.ShapeDtypeStruct((mp, hidden), BF16)] + [
+            jax.ShapeDtypeStruct((mp, e), F32), jax.ShapeDtypeStruct(wt.x_shape(mp, hidden, g_spec.kind), BF16),
+            *outs]
     if with_router:
         be, rbk = wt.largest_pow2_divisor(e, ROUTER_BLOCK[0]), wt.largest_pow2_divisor(hidden, ROUTER_BLOCK[1])
         n_router = e // be
         nw = layer.mlp_norm.astype(BF16)
-        operands = [wt.pad_rows(h.astype(BF16), mp), nw, wt.lead_axis(moe.router).astype(F32),
-                    moe.router_bias.astype(F32), *experts]
-        outs = [jax.ShapeDtypeStruct((mp, e), F32), jax.ShapeDtypeStruct(wt.x_shape(mp, hidden, g_spec.kind), BF16),
-                *outs]
+        residual = [] if o is not None else [h.astype(BF16)]
+        operands = [*lead, wt.pad_rows(h.astype(BF16), mp), nw, wt.lead_axis(moe.router).astype(F32),
+                    moe.router_bias.astype(F32), *experts, *residual, grid_sync.sync_buffer()]
+        if o is None:
+            outs = [jax.ShapeDtypeStruct((mp, e), F32),
+                    jax.ShapeDtypeStruct(wt.x_shape(mp, hidden, g_spec.kind), BF16), *outs]
     else:
         be = rbk = None
         n_router = 0
         operands = [logits.astype(F32), moe.router_bias.astype(F32), wt.x_operand(b.astype(BF16), g_spec.kind),
-                    *experts]
+                    *experts, h.astype(BF16), grid_sync.sync_buffer()]
     n_in = len(operands)
     operands, in_specs = layer_stack.kernel_args(operands)
-    kernel = functools.partial(_fused_experts_kernel, n_in=n_in, m=m, mp=mp, k=k, g_spec=g_spec, s_spec=s_spec,
-                               d_spec=d_spec, sd_spec=sd_spec, router_block=(be, rbk), gate_up_block=(gbn, gbk),
-                               down_block=(dbn, dbk), n_router=n_router, n_gate_up=n_gate_up,
-                               norm=bool(cfg.norm_topk_prob), scaling=float(cfg.routed_scaling_factor),
-                               eps=float(cfg.rms_norm_eps), compiled=not interpret)
+    kernel = functools.partial(_fused_experts_kernel, n_in=n_in, m=m, mp=mp, k=k, o_spec=o_spec, g_spec=g_spec,
+                               s_spec=s_spec, d_spec=d_spec, sd_spec=sd_spec, o_block=o_block,
+                               router_block=(be, rbk), gate_up_block=(gbn, gbk), down_block=(dbn, dbk), n_o=n_o,
+                               n_router=n_router, n_gate_up=n_gate_up, norm=bool(cfg.norm_topk_prob),
+                               scaling=float(cfg.routed_scaling_factor), eps=float(cfg.rms_norm_eps),
+                               compiled=not interpret)
     results = pl.pallas_call(
         kernel,
         out_shape=outs,
-        grid=(n_router + n_gate_up + n_down,),
+        grid=(n_o + n_router + n_gate_up + n_down,),
         in_specs=in_specs,
         out_specs=[pl.no_block_spec] * len(outs),
         input_output_aliases={n_in - 1: len(outs) - 1},
         compiler_params=plt.CompilerParams(num_warps=g_warps, num_stages=g_stages),
         interpret=interpret,
-        name=f"moe_{'block' if with_router else 'experts'}_{g_spec.kind}",
+        name=f"moe_{'layer_tail' if o is not None else 'block' if with_router else 'experts'}_{g_spec.kind}",
     )(*operands)
     out, sync = results[-2], results[-1]
     return (out, sync) if with_sync else out

@@ -213,6 +213,36 @@ def test_fused_expert_kernel_keeps_the_output_bits(kind, m, with_router, monkeyp
         X.fused_experts(h, layer, CFG, logits=jnp.zeros((m, CFG.n_routed_experts), F32), interpret=INTERPRET)
 
 
+@pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("o_bk", [None, 64], ids=["one_k_step", "two_k_steps"])
+def test_fused_kernel_with_the_output_projection_keeps_the_bits(kind, m, o_bk, monkeypatch):
+    """fused_experts with o: the attention's output projection + residual, then router, gate/up and down, in one
+    kernel, equal gemv(o, Wo, residual=h) followed by the three-kernel block: bit for bit where the projection's K
+    (128 here) is one step as in gemv; in two steps (FUSED_O_BK) to the BF16 rounding of a reordered FP32 sum."""
+    if o_bk is not None:
+        monkeypatch.setattr(X, "FUSED_O_BK", o_bk)
+    import dataclasses
+    import types
+
+    from flint_jax.pallas_kernels import gemv
+    width = CFG.num_attention_heads * CFG.head_dim
+    wo = _linear(jax.random.PRNGKey(720), (CFG.hidden_size, width), kind, 11)
+    layer = dataclasses.replace(layer_of(kind), attn=types.SimpleNamespace(o=wo))  # the MoE half and Wo
+    h = hidden(700 + m, m)
+    o = (jax.random.normal(jax.random.PRNGKey(710 + m), (m, width), F32)).astype(BF16)
+    h1 = jax.jit(lambda o, h: gemv.gemv(o, layer.attn.o, residual=h, interpret=INTERPRET))(o, h)
+    separate = np.asarray(run_block(kernel_block, h1, layer_of(kind), CFG))
+    out, sync = jax.jit(lambda h, o: X.fused_experts(h, layer, CFG, o=o, interpret=INTERPRET, with_sync=True))(h, o)
+    if o_bk is None:
+        np.testing.assert_array_equal(np.asarray(out), separate)
+    else:
+        assert_residual_close(out, separate, h1)
+    assert int(sync[2]) > 0 and int(sync[1]) > 0 and int(sync[GS.TIMEOUT_SLOT]) == 0
+    with pytest.raises(ValueError, match="must be"):
+        X.fused_experts(h, layer, CFG, o=o[:, :-16], interpret=INTERPRET)
+
+
 @pytest.mark.parametrize("m", [1, 3, 8])
 def test_gate_up_emits_the_routing_down_reads(m, monkeypatch):
     """ROUTING_TO_DOWN: the gate/up kernel's ids and weights are the router's top-k (ids equal, weights to 1e-6;
