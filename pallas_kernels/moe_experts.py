@@ -140,19 +140,21 @@ def _slot_expert(ids, slot):
 
 
 def gate_up_tile(p, blk, token, xs, g_spec, gate, up, s_spec, sgate, sup, store, *, m, k, bn, bk, elementwise,
-                 prefetch, store_routing=None):
+                 prefetch, store_routing=None, wait=None):
     """Rows [blk*bn, (blk+1)*bn) of pair p's SwiGLU activations: pair t*k + s is token t's slot-s expert (from
     token(t)), pair M*k + t token t's shared expert (s_spec None: no shared expert). store(p, n0, values bf16 [bn]).
     store_routing(t, ids, weights): called by the program of token t's slot 0 and block 0 (see ROUTING_TO_DOWN);
-    then token(t) gives the weights as a function (routing_from_refs' lazy_weights), called there only."""
+    then token(t) gives the weights as a function (routing_from_refs' lazy_weights), called there only.
+    wait: called before the routing and the activations are read (fused_experts with the router: both are written
+    by other programs of the launch); a shared-expert tile issues its first weight loads before it waits."""
     n0 = pl.multiple_of(blk * bn, bn)
 
-    def run(spec, g_refs, u_refs, t, e):
+    def run(spec, g_refs, u_refs, t, e, before_x=None):
         def scales():
             return wt.global_scale(spec, g_refs, e), wt.global_scale(spec, u_refs, e)
         gs = scales() if wt.EARLY_EPILOGUE_LOADS else None  # before the K loop (see down_tile)
         acc_g, acc_u = wt.stream_rows([xs], [t], [(spec, g_refs), (spec, u_refs)], [e, e], n0, bn, bk,
-                                      elementwise=elementwise, prefetch=prefetch)
+                                      elementwise=elementwise, prefetch=prefetch, before_x=before_x)
         gs_g, gs_u = gs or scales()
         g = wt.apply_global_scale(acc_g, gs_g).astype(BF16)
         u = wt.apply_global_scale(acc_u, gs_u).astype(BF16)
@@ -161,6 +163,8 @@ def gate_up_tile(p, blk, token, xs, g_spec, gate, up, s_spec, sgate, sup, store,
     @pl.when(p < m * k)
     def _routed():
         t = p // k
+        if wait is not None:
+            wait()
         ids, ws = token(t)
         if store_routing is not None:  # before the weights: the top-k's masks die here, not after the K loop
             @pl.when((blk == 0) & (p == t * k))
@@ -171,7 +175,7 @@ def gate_up_tile(p, blk, token, xs, g_spec, gate, up, s_spec, sgate, sup, store,
     if s_spec is not None:
         @pl.when(p >= m * k)
         def _shared():
-            run(s_spec, sgate, sup, p - m * k, 0)
+            run(s_spec, sgate, sup, p - m * k, 0, before_x=wait)
 
 
 def _gate_up_kernel(route_a, route_b, x_ref, *refs, m, k, g_spec, s_spec, bn, bk, norm, scaling, elementwise,
@@ -414,23 +418,21 @@ def _fused_experts_kernel(*refs, n_in, m, mp, k, o_spec, g_spec, s_spec, d_spec,
 
     if n_router:
         @pl.when((p >= n_o) & (p < first_gate_up))
-        def _router():
-            if n_o:
-                grid_sync.wait_for(sync_ref, 2, n_o, compiled)
+        def _router():  # its first weight loads go out before it waits for the projection tiles
             be, bk = router_block
             router_mod.logits_tile(p - n_o, h_ref, nw_ref, r_ref, logits_ref, _act_store(b_ref, g_spec.kind, None),
-                                   mp=mp, be=be, bk=bk, eps=eps, has_norm=True)
+                                   mp=mp, be=be, bk=bk, eps=eps, has_norm=True,
+                                   wait=(lambda: grid_sync.wait_for(sync_ref, 2, n_o, compiled)) if n_o else None)
             grid_sync.arrive(sync_ref, 1, compiled)
 
     @pl.when((p >= first_gate_up) & (p < first_gate_up + n_gate_up))
     def _gate_up():
         q = p - first_gate_up
-        wait_router()
         token = routing_from_refs(route_a, bias_ref, k, norm, scaling, lazy_weights=True,
                                   volatile=n_router > 0)  # ids only
         gate_up_tile(q // gu_blocks, q % gu_blocks, token, wt.XSource(x_ref, g_spec.kind), g_spec, gate, up, s_spec,
                      sgate, sup, _act_store(act_ref, d_spec.kind, gbn), m=m, k=k, bn=gbn, bk=gbk, elementwise=False,
-                     prefetch=False)
+                     prefetch=False, wait=wait_router if n_router else None)
         grid_sync.arrive(sync_ref, 0, compiled)
 
     @pl.when(p >= first_gate_up + n_gate_up)
