@@ -120,14 +120,10 @@ class PendingProjection(NamedTuple):
     o: jax.Array
 
 
-def _fuses_output_projection(layer, batch: int) -> bool:
-    from flint_jax.pallas_kernels import moe_experts
-    return moe_experts.fuses_output_projection(layer, batch)
-
-
 def _decode_attention(h, layer, cache, positions, valid, lengths_after, cfg, sliding):
+    from flint_jax.pallas_kernels import moe_experts
     fn = _kernels()["decode_attention"]
-    project = not _fuses_output_projection(layer, h.shape[0])
+    project = not moe_experts.fuses_output_projection(layer, h.shape[0])
     out, cache = fn(h[:, 0], layer, cache, positions[:, 0], valid[:, 0], cfg, sliding, interpret=_interpret(),
                     project=project)
     if not project:

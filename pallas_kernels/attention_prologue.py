@@ -71,12 +71,11 @@ def _qkv_kernel(x_ref, nw_ref, *refs, spec, mp, blocks, eps, row_blocks, col0, p
                 acc, = wt.stream_rows_dot(xs, [(spec, w_refs)], n0, bn, bk, inv, ptx=ptx)
                 out_ref[:, pl.ds(c0, bn)] = wt.apply_global_scale(acc.T, wt.dot_scale(spec, w_refs, 0)).astype(BF16)
                 return
-            gs = wt.global_scale(spec, w_refs, 0) if wt.EARLY_EPILOGUE_LOADS else None
+            scale = wt.epilogue_loads(lambda: wt.global_scale(spec, w_refs, 0))
             accs = wt.stream_rows([xs] * mp, list(range(mp)), [(spec, w_refs)], [0], n0, bn, bk,
                                   wt.row_norms(xs, mp, spec.k),
                                   elementwise=blocks.elementwise, prefetch=blocks.prefetch)
-            if not wt.EARLY_EPILOGUE_LOADS:
-                gs = wt.global_scale(spec, w_refs, 0)
+            gs = scale()
             for r in range(mp):
                 out_ref[r, pl.ds(c0, bn)] = wt.apply_global_scale(accs[r], gs).astype(BF16)
 

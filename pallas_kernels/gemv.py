@@ -140,12 +140,10 @@ def _gemv_kernel(*refs, spec, n_weights, mp, blocks, has_norm, has_res, eps, mod
         return
     inv = wt.row_norms(xs, mp, spec.k) if has_norm else None
 
-    def residual_rows():
-        return [res_ref[r, :] if has_res else None for r in range(mp)]
-    res = residual_rows() if wt.EARLY_EPILOGUE_LOADS else None  # before the K loop (moe_experts.down_tile)
+    residual = wt.epilogue_loads(lambda: [res_ref[r, :] if has_res else None for r in range(mp)])
     accs = wt.stream_rows([xs] * mp, list(range(mp)), weights, [0] * n_weights, n0, bn, bk, inv,
                           elementwise=blocks.elementwise, prefetch=blocks.prefetch)
-    res = res or residual_rows()
+    res = residual()
     for r in range(mp):
         o_ref[r, :] = epilogue([accs[w * mp + r] for w in range(n_weights)], res[r])
 

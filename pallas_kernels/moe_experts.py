@@ -150,12 +150,10 @@ def gate_up_tile(p, blk, token, xs, g_spec, gate, up, s_spec, sgate, sup, store,
     n0 = pl.multiple_of(blk * bn, bn)
 
     def run(spec, g_refs, u_refs, t, e, before_x=None):
-        def scales():
-            return wt.global_scale(spec, g_refs, e), wt.global_scale(spec, u_refs, e)
-        gs = scales() if wt.EARLY_EPILOGUE_LOADS else None  # before the K loop (see down_tile)
+        scales = wt.epilogue_loads(lambda: (wt.global_scale(spec, g_refs, e), wt.global_scale(spec, u_refs, e)))
         acc_g, acc_u = wt.stream_rows([xs], [t], [(spec, g_refs), (spec, u_refs)], [e, e], n0, bn, bk,
                                       elementwise=elementwise, prefetch=prefetch, before_x=before_x)
-        gs_g, gs_u = gs or scales()
+        gs_g, gs_u = scales()
         g = wt.apply_global_scale(acc_g, gs_g).astype(BF16)
         u = wt.apply_global_scale(acc_u, gs_u).astype(BF16)
         store(p, n0, gemv_mod.swiglu_f32(g, u))
@@ -284,25 +282,20 @@ def down_tile(t, blk, token, xs, d_spec, down, s_spec, sdown, res_ref, store, *,
         rows.append(m * k + t)
         weights.append((s_spec, sdown))
         experts.append(0)
-    # The epilogue's operands (global scales, residual) are loaded before the K loop: loads after it would add a
-    # dependent round trip to the end of the program's chain (wt.EARLY_EPILOGUE_LOADS).
-    early = wt.EARLY_EPILOGUE_LOADS
-    gs = [wt.global_scale(d_spec, down, ids[s]) for s in range(k)] if early else None
-    sgs = wt.global_scale(s_spec, sdown, 0) if early and s_spec is not None else None
-    res = res_ref[t, pl.ds(n0, bn)] if early else None
+    # The epilogue's operands (global scales, residual) before the K loop: loads after it would add a dependent
+    # round trip to the end of the program's chain (wt.EARLY_EPILOGUE_LOADS).
+    epilogue = wt.epilogue_loads(lambda: ([wt.global_scale(d_spec, down, ids[s]) for s in range(k)],
+                                          wt.global_scale(s_spec, sdown, 0) if s_spec is not None else None,
+                                          res_ref[t, pl.ds(n0, bn)]))
     accs = wt.stream_rows([xs] * len(rows), rows, weights, experts, n0, bn, bk,
                           pairs=[(i, i) for i in range(len(rows))], before_x=wait)
-    if not early:
-        gs = [wt.global_scale(d_spec, down, ids[s]) for s in range(k)]
-        sgs = wt.global_scale(s_spec, sdown, 0) if s_spec is not None else None
+    gs, sgs, res = epilogue()
     y = jnp.zeros((bn,), F32)
     for s in range(k):
         out_s = wt.apply_global_scale(accs[s], gs[s]).astype(BF16)
         y = y + ws[s] * out_s.astype(F32)
     if s_spec is not None:
         y = y + wt.apply_global_scale(accs[k], sgs).astype(BF16).astype(F32)
-    if not early:
-        res = res_ref[t, pl.ds(n0, bn)]
     store(t, n0, (res.astype(F32) + y.astype(BF16).astype(F32)).astype(BF16))
 
 
@@ -352,14 +345,13 @@ def _act_store(act_ref, kind: str, bn: int | None):
     [rows, K/16, 16] takes bn < 16 values as part of one 16-value group. bn None: the values' own length, whole
     groups (the router tile's normed rows b)."""
     def store(pair, n0, values):
-        bn = values.shape[0] if bn_given is None else bn_given
+        n = values.shape[0] if bn is None else bn
         if kind != "nvfp4":
-            act_ref[pair, pl.ds(n0, bn)] = values
-        elif bn % wt.GROUP == 0:
-            act_ref[pair, pl.ds(n0 // wt.GROUP, bn // wt.GROUP), :] = values.reshape(bn // wt.GROUP, wt.GROUP)
+            act_ref[pair, pl.ds(n0, n)] = values
+        elif n % wt.GROUP == 0:
+            act_ref[pair, pl.ds(n0 // wt.GROUP, n // wt.GROUP), :] = values.reshape(n // wt.GROUP, wt.GROUP)
         else:
-            act_ref[pair, pl.ds(n0 // wt.GROUP, 1), pl.ds(n0 % wt.GROUP, bn)] = values.reshape(1, bn)
-    bn_given = bn
+            act_ref[pair, pl.ds(n0 // wt.GROUP, 1), pl.ds(n0 % wt.GROUP, n)] = values.reshape(1, n)
     return store
 
 

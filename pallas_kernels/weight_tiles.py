@@ -147,6 +147,15 @@ NORM_AFTER_LOADS = True
 EARLY_EPILOGUE_LOADS = True
 
 
+def epilogue_loads(load):
+    """A kernel's epilogue operands: `load()` issued here, before the K loop, under EARLY_EPILOGUE_LOADS, else where
+    the returned function is called (after the loop). Call the result where the values are needed."""
+    if EARLY_EPILOGUE_LOADS:
+        values = load()
+        return lambda: values
+    return load
+
+
 def k_start(t, bk: int):
     """Start of K tile t; t is a Python int when a one-step loop is unrolled."""
     return t * bk if isinstance(t, int) else pl.multiple_of(t * bk, bk)
@@ -344,6 +353,14 @@ def stream_rows(xs: Sequence[XSource], rows: Sequence, weights: Sequence[tuple[W
                     accs[i] = accs[i] + (prod if elementwise else jnp.sum(prod, axis=1))
         return tuple(accs)
 
+    def prefetch_loop(start, accs):
+        """Steps start..steps-1, each loading the next step's tiles before computing its own."""
+        def body(t, carry):
+            accs, cur = carry
+            nxt = load(jnp.minimum(t + 1, steps - 1))  # the last step reloads its own tiles: harmless, in bounds
+            return compute(cur, accs), nxt
+        return jax.lax.fori_loop(start, steps, body, (accs, load(start)))[0]
+
     if inv_later is not None or before_x is not None:
         if before_x is not None:  # the first step's weights, then the caller's wait, then its activations
             w0 = load_w(0)
@@ -355,21 +372,13 @@ def stream_rows(xs: Sequence[XSource], rows: Sequence, weights: Sequence[tuple[W
             inv = list(inv_later())  # RowNorms keeps them for the caller
         accs = compute(first, init)
         if prefetch and steps > 1:
-            def body(t, carry):
-                accs, cur = carry
-                nxt = load(jnp.minimum(t + 1, steps - 1))
-                return compute(cur, accs), nxt
-            accs, _ = jax.lax.fori_loop(1, steps, body, (accs, load(1)))
+            accs = prefetch_loop(1, accs)
         elif steps == 2:
             accs = compute(load(1), accs)
         elif steps > 2:
             accs = jax.lax.fori_loop(1, steps, lambda t, a: compute(load(t), a), accs)
     elif prefetch and steps > 1:
-        def body(t, carry):
-            accs, cur = carry
-            nxt = load(jnp.minimum(t + 1, steps - 1))  # the last step reloads its own tiles: harmless, in bounds
-            return compute(cur, accs), nxt
-        accs, _ = jax.lax.fori_loop(0, steps, body, (init, load(0)))
+        accs = prefetch_loop(0, init)
     else:
         accs = k_loop(steps, lambda t, a: compute(load(t), a), init)
     out = []

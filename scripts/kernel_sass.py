@@ -93,22 +93,18 @@ def capture_moe_ttirs(variant: str, weights: str, rows: int) -> list[tuple[str, 
     params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0), weights))
     layer = params.layers[cfg.first_k_dense_replace]
     h = jax.ShapeDtypeStruct((rows, cfg.hidden_size), jnp.bfloat16)
-    o = jax.ShapeDtypeStruct((rows, cfg.num_attention_heads * cfg.head_dim), jnp.bfloat16)
-    if variant == "layer_tail":
-        def block(h, layer):
-            return moe_experts.fused_experts(h, layer, cfg, o=o_arg(h))
+    o = jax.ShapeDtypeStruct((rows, cfg.num_attention_heads * cfg.head_dim), jnp.bfloat16)  # attention output
 
-        def o_arg(h):
-            return jnp.zeros(o.shape, o.dtype) + h[:, :1]  # any [rows, Hq * D] array derived from the input
-    else:
-        def block(h, layer):
-            return moe_experts.mlp_block(h, layer, cfg)
+    def block(h, layer, o):
+        if variant == "layer_tail":
+            return moe_experts.fused_experts(h, layer, cfg, o=o)
+        return moe_experts.mlp_block(h, layer, cfg)
     saved = {k: getattr(moe_experts, k) for k in MOE_VARIANTS[variant]}
     try:
         for k, v in MOE_VARIANTS[variant].items():
             setattr(moe_experts, k, v)
         with capturing_triton_ir() as captured, lowering_for_gpu():
-            text = jax.jit(block).trace(h, layer).lower(lowering_platforms=("cuda",)).as_text()
+            text = jax.jit(block).trace(h, layer, o).lower(lowering_platforms=("cuda",)).as_text()
     finally:
         for k, v in saved.items():
             setattr(moe_experts, k, v)
