@@ -14,7 +14,6 @@ import contextlib
 import functools
 import importlib
 import math
-from typing import NamedTuple
 
 import jax
 
@@ -112,29 +111,13 @@ def kernel_census(cfg, weights: str = "nvfp4", batch: int = 1, impl: str = "pall
             "argument_buffers": len(jax.tree.leaves(params)) + len(jax.tree.leaves(state))}
 
 
-class PendingProjection(NamedTuple):
-    """What a decode attention block hands its MLP block when the MLP kernel also runs the attention's output
-    projection (moe_experts.FUSED_O): the block's input h [B, 1, H] and the attention output o [B, 1, Hq * D]; the
-    layer's h after attention is h + o @ Wo.T."""
-    h: jax.Array
-    o: jax.Array
-
-
 def _decode_attention(h, layer, cache, positions, valid, lengths_after, cfg, sliding):
-    from flint_jax.pallas_kernels import moe_experts
     fn = _kernels()["decode_attention"]
-    project = not moe_experts.fuses_output_projection(layer, h.shape[0])
-    out, cache = fn(h[:, 0], layer, cache, positions[:, 0], valid[:, 0], cfg, sliding, interpret=_interpret(),
-                    project=project)
-    if not project:
-        return PendingProjection(h, out[:, None]), cache
+    out, cache = fn(h[:, 0], layer, cache, positions[:, 0], valid[:, 0], cfg, sliding, interpret=_interpret())
     return out[:, None], cache
 
 
 def _decode_mlp(h, layer, cfg):
-    if isinstance(h, PendingProjection):
-        from flint_jax.pallas_kernels import moe_experts
-        return moe_experts.fused_experts(h.h[:, 0], layer, cfg, o=h.o[:, 0], interpret=_interpret())[:, None]
     return _kernels()["decode_mlp"](h[:, 0], layer, cfg, interpret=_interpret())[:, None]
 
 

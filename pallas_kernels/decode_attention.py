@@ -473,17 +473,13 @@ def output_projection(o: jax.Array, w, h: jax.Array, interpret: bool = False) ->
 
 def attention_block_decode(h: jax.Array, layer, cache, positions: jax.Array, active: jax.Array, cfg: FlintConfig,
                            sliding: bool, splits: int | None = None, min_chunk: int | None = None,
-                           interpret: bool = False, project: bool = True):
+                           interpret: bool = False):
     """`model.attention_block` for T = 1: h [B, H] bf16, positions [B] (= the sequence lengths before this token),
-    active [B] bool. Returns (h + Wo(attention(rmsnorm(h))) [B, H] bf16, new cache); with project=False the
-    attention output before its projection, o [B, Hq * D] bf16, for a kernel that fuses Wo and the residual
-    (moe_experts.fused_experts with FUSED_O)."""
+    active [B] bool. Returns (h + Wo(attention(rmsnorm(h))) [B, H] bf16, new cache)."""
     B = h.shape[0]
     qkv = qkv_projection(h, layer.attn_norm, layer.attn, cfg, interpret=interpret)
     o, cache = fused_decode_attention(qkv, layer.attn, cache, positions, active, cfg, sliding, splits, min_chunk,
                                       interpret)
-    if not project:
-        return o.reshape(B, -1), cache
     return output_projection(o.reshape(B, -1), layer.attn.o, h, interpret=interpret), cache
 
 

@@ -76,42 +76,6 @@ def grid_barrier(sync_ref, slot: int, programs: int) -> None:
     plt.debug_barrier()  # no thread reads the next phase's inputs before the poll has seen every arrival
 
 
-def arrive(sync_ref, slot: int, compiled: bool = True) -> None:
-    """Count this program's arrival at `slot` after all its threads' stores (release: they are visible to a program
-    that has seen the count, `wait_for`)."""
-    zero = jnp.zeros((), jnp.int32)
-    if compiled:
-        plt.debug_barrier()
-    plt.atomic_add(sync_ref, (zero + slot,), zero + 1)
-
-
-def wait_for(sync_ref, slot: int, target: int, compiled: bool = True) -> None:
-    """Wait until `target` programs have arrived at `slot` (acquire: their stores are visible after it). A dataflow
-    edge between programs of one grid, not a barrier: only the waiting programs wait, and they must wait for programs
-    with lower ids, which the GPU dispatches first, so it cannot deadlock (interpret mode runs programs in id order,
-    where the count is already complete). Gives up after SPIN_LIMIT polls and counts that in sync[TIMEOUT_SLOT]."""
-    zero = jnp.zeros((), jnp.int32)
-    where = (zero + slot,)
-
-    def waiting(c):
-        count, polls = c
-        return (count < target) & (polls < SPIN_LIMIT)
-
-    def poll(c):
-        _, polls = c
-        return jnp.sum(plt.load(sync_ref.at[pl.ds(slot, 1)], volatile=True)), polls + 1
-
-    count, _ = jax.lax.while_loop(waiting, poll, (zero - 1, zero))
-    count = jnp.minimum(count, plt.atomic_add(sync_ref, where, zero))  # acquire: later loads see the writers' stores
-
-    @pl.when(count < target)
-    def _():
-        plt.atomic_add(sync_ref, (zero + TIMEOUT_SLOT,), zero + 1)
-
-    if compiled:
-        plt.debug_barrier()  # no thread reads the producers' outputs before the poll has seen every arrival
-
-
 def for_tiles(n_tiles: int, programs: int, body) -> None:
     """body(tile) for tiles pid, pid + programs, ... < n_tiles (this program's round-robin share)."""
     pid = pl.program_id(0)

@@ -15,10 +15,6 @@
                                     expert's, combined in FP32 with the routing weights, rounded once, plus the
                                     residual                                                        h_new [M, H]
     dense_mlp_block(h, layer, cfg)  = layers.mlp_block for a dense layer: gemv_swiglu + gemv(residual), two kernels.
-    fused_experts(h, layer, cfg)    kernels 2-3 (FUSED_DOWN), or 1-3 (FUSED_ROUTER), as one launch whose programs
-                                    are ordered by role and wait for the earlier roles' arrival counts instead of a
-                                    kernel boundary (grid_sync.arrive / wait_for); the same bits. Off by default
-                                    until timed on the GPU.
 
 Expert ids are data: a program derives them from the logits (or reads them) at run time and indexes the stacked
 [E, N, K] weights with them (Triton pointer arithmetic), so one compiled kernel serves every routing and only the
@@ -39,7 +35,6 @@ from jax.experimental.pallas import triton as plt
 from flint_jax import layer_stack, layers
 from flint_jax.config import FlintConfig
 from flint_jax.pallas_kernels import gemv as gemv_mod
-from flint_jax.pallas_kernels import grid_sync
 from flint_jax.pallas_kernels import router as router_mod
 from flint_jax.pallas_kernels import weight_tiles as wt
 
@@ -68,25 +63,6 @@ PERSISTENT = False
 # reads them, instead of every down program recomputing the top-k from the logits: down's chain loses 6 rounds of
 # reductions before its first weight load. The output bits are unchanged (the same rounds, in the same order).
 ROUTING_TO_DOWN = True
-# Gate/up and down as one kernel (expert_gate_up_down): the gate/up programs come first in the grid and count their
-# arrival when their activation rows are stored; each down program computes its token's top-k, issues its first
-# weight loads, and only then waits for every gate/up program (grid_sync.wait_for: a dataflow edge to lower program
-# ids, not a grid barrier), so its routing and weight latency overlap the gate/up programs' work instead of following
-# it, and the block takes one launch less. Off until timed on the GPU (profile variant `fused_gate_up_down`).
-FUSED_DOWN = False
-# The router's programs too, first in that kernel's grid: the whole MoE block in one launch (fused_experts), the
-# gate/up and down programs waiting for the router's arrivals before reading its logits and b. Off until timed.
-FUSED_ROUTER = False
-# The attention's output projection and residual too (fused_experts with o: the decode path's attention block then
-# stops before Wo, pallas_path.PendingProjection; the router is then always in the kernel), at up to
-# FUSED_O_MAX_ROWS rows on the FMA path, with K tiles of at most FUSED_O_BK values. Off until timed.
-FUSED_O = False
-FUSED_O_MAX_ROWS = 2
-# The separate projection kernel takes Flint's K = 4096 in one step on 8 warps; on the fused kernel's 4 warps that
-# needs 196 registers per thread (2 programs per SM for every role), two steps of 2048 need 126 (as the other fused
-# kernels; upstream Triton 3.6, scripts/kernel_sass.py --moe layer_tail). Two steps sum K in another FP32 order, so
-# at the Flint shape an output may differ from the separate kernels' by its BF16 rounding; 4096 keeps their bits.
-FUSED_O_BK = 2048
 
 
 def _pick(e_or_n: int, k: int, kind: str, block) -> tuple[int, int, int, int, bool, bool]:
@@ -102,11 +78,10 @@ def _slot_value(vec: jax.Array, slot) -> jax.Array:
     return jnp.sum(jnp.where(jax.lax.broadcasted_iota(jnp.int32, vec.shape, 0) == slot, vec, jnp.zeros_like(vec)))
 
 
-def routing_from_refs(route_a, route_b, k, norm, scaling, lazy_weights: bool = False, volatile: bool = False):
+def routing_from_refs(route_a, route_b, k, norm, scaling, lazy_weights: bool = False):
     """token(t) -> (k expert ids, k weights) of token t: read from the router's output (route_a, route_b = ids_ref,
     w_ref), or recomputed from the logits (logits_ref, bias_ref) on every call. lazy_weights: the weights come as a
-    function that emits their computation where it is called (router.top_k_lazy). volatile: the logits were written
-    by other programs of the same launch (fused_experts with its router): read them past L1."""
+    function that emits their computation where it is called (router.top_k_lazy)."""
     def token(t):
         if route_a.dtype == jnp.int32:
             ids_row = route_a[t, :]
@@ -115,8 +90,7 @@ def routing_from_refs(route_a, route_b, k, norm, scaling, lazy_weights: bool = F
                 w_row = route_b[t, :]
                 return [_slot_value(w_row, s) for s in range(k)]
             return [_slot_value(ids_row, s) for s in range(k)], (weights if lazy_weights else weights())
-        row = plt.load(route_a.at[t, :], volatile=True) if volatile else route_a[t, :]
-        ids, weights = router_mod.top_k_lazy(row, route_b[...], k, norm, scaling)
+        ids, weights = router_mod.top_k_lazy(route_a[t, :], route_b[...], k, norm, scaling)
         return ids, (weights if lazy_weights else weights())
     return token
 
@@ -140,19 +114,17 @@ def _slot_expert(ids, slot):
 
 
 def gate_up_tile(p, blk, token, xs, g_spec, gate, up, s_spec, sgate, sup, store, *, m, k, bn, bk, elementwise,
-                 prefetch, store_routing=None, wait=None):
+                 prefetch, store_routing=None):
     """Rows [blk*bn, (blk+1)*bn) of pair p's SwiGLU activations: pair t*k + s is token t's slot-s expert (from
     token(t)), pair M*k + t token t's shared expert (s_spec None: no shared expert). store(p, n0, values bf16 [bn]).
     store_routing(t, ids, weights): called by the program of token t's slot 0 and block 0 (see ROUTING_TO_DOWN);
-    then token(t) gives the weights as a function (routing_from_refs' lazy_weights), called there only.
-    wait: called before the routing and the activations are read (fused_experts with the router: both are written
-    by other programs of the launch); a shared-expert tile issues its first weight loads before it waits."""
+    then token(t) gives the weights as a function (routing_from_refs' lazy_weights), called there only."""
     n0 = pl.multiple_of(blk * bn, bn)
 
-    def run(spec, g_refs, u_refs, t, e, before_x=None):
+    def run(spec, g_refs, u_refs, t, e):
         scales = wt.epilogue_loads(lambda: (wt.global_scale(spec, g_refs, e), wt.global_scale(spec, u_refs, e)))
         acc_g, acc_u = wt.stream_rows([xs], [t], [(spec, g_refs), (spec, u_refs)], [e, e], n0, bn, bk,
-                                      elementwise=elementwise, prefetch=prefetch, before_x=before_x)
+                                      elementwise=elementwise, prefetch=prefetch)
         gs_g, gs_u = scales()
         g = wt.apply_global_scale(acc_g, gs_g).astype(BF16)
         u = wt.apply_global_scale(acc_u, gs_u).astype(BF16)
@@ -161,8 +133,6 @@ def gate_up_tile(p, blk, token, xs, g_spec, gate, up, s_spec, sgate, sup, store,
     @pl.when(p < m * k)
     def _routed():
         t = p // k
-        if wait is not None:
-            wait()
         ids, ws = token(t)
         if store_routing is not None:  # before the weights: the top-k's masks die here, not after the K loop
             @pl.when((blk == 0) & (p == t * k))
@@ -173,7 +143,7 @@ def gate_up_tile(p, blk, token, xs, g_spec, gate, up, s_spec, sgate, sup, store,
     if s_spec is not None:
         @pl.when(p >= m * k)
         def _shared():
-            run(s_spec, sgate, sup, p - m * k, 0, before_x=wait)
+            run(s_spec, sgate, sup, p - m * k, 0)
 
 
 def _gate_up_kernel(route_a, route_b, x_ref, *refs, m, k, g_spec, s_spec, bn, bk, norm, scaling, elementwise,
@@ -269,10 +239,9 @@ def expert_gate_up(b: jax.Array, logits: jax.Array, moe, cfg: FlintConfig, *, in
     return tuple(outs) if emit_routing else outs[0]
 
 
-def down_tile(t, blk, token, xs, d_spec, down, s_spec, sdown, res_ref, store, *, m, k, bn, bk, wait=None):
+def down_tile(t, blk, token, xs, d_spec, down, s_spec, sdown, res_ref, store, *, m, k, bn, bk):
     """Rows [blk*bn, (blk+1)*bn) of token t's `residual + bf16(shared + sum_s w_s * expert_s)` from the activation
-    rows of gate_up_tile (xs), combined in FP32 and rounded once. store(t, n0, values bf16 [bn]). wait: called once
-    the routing is known and the first weight tiles are being loaded, before any activation is read (FUSED_DOWN)."""
+    rows of gate_up_tile (xs), combined in FP32 and rounded once. store(t, n0, values bf16 [bn])."""
     n0 = pl.multiple_of(blk * bn, bn)
     ids, ws = token(t)
     rows = [t * k + s for s in range(k)]
@@ -288,7 +257,7 @@ def down_tile(t, blk, token, xs, d_spec, down, s_spec, sdown, res_ref, store, *,
                                           wt.global_scale(s_spec, sdown, 0) if s_spec is not None else None,
                                           res_ref[t, pl.ds(n0, bn)]))
     accs = wt.stream_rows([xs] * len(rows), rows, weights, experts, n0, bn, bk,
-                          pairs=[(i, i) for i in range(len(rows))], before_x=wait)
+                          pairs=[(i, i) for i in range(len(rows))])
     gs, sgs, res = epilogue()
     y = jnp.zeros((bn,), F32)
     for s in range(k):
@@ -340,200 +309,6 @@ def expert_down(act: jax.Array, logits: jax.Array, moe, cfg: FlintConfig, residu
     )(*operands)
 
 
-def _act_store(act_ref, kind: str, bn: int | None):
-    """store(row, n0, values [bn]) into rows kept in the layout a weight stream reads them in (wt.x_shape): NVFP4's
-    [rows, K/16, 16] takes bn < 16 values as part of one 16-value group. bn None: the values' own length, whole
-    groups (the router tile's normed rows b)."""
-    def store(pair, n0, values):
-        n = values.shape[0] if bn is None else bn
-        if kind != "nvfp4":
-            act_ref[pair, pl.ds(n0, n)] = values
-        elif n % wt.GROUP == 0:
-            act_ref[pair, pl.ds(n0 // wt.GROUP, n // wt.GROUP), :] = values.reshape(n // wt.GROUP, wt.GROUP)
-        else:
-            act_ref[pair, pl.ds(n0 // wt.GROUP, 1), pl.ds(n0 % wt.GROUP, n)] = values.reshape(1, n)
-    return store
-
-
-def _fused_experts_kernel(*refs, n_in, m, mp, k, o_spec, g_spec, s_spec, d_spec, sd_spec, o_block, router_block,
-                          gate_up_block, down_block, n_o, n_router, n_gate_up, norm, scaling, eps, compiled):
-    """Program roles by id: [output projection tiles (n_o; with FUSED_O)] [router tiles (n_router; with the
-    router)] [gate/up tiles] [down tiles]. Each role waits (grid_sync.wait_for) only for roles before it: the router
-    for every projection tile (sync slot 2: h after attention), gate/up for every router tile (slot 1: logits, b),
-    down for the router (its top-k) and then, after issuing its first weight loads, for every gate/up tile (slot 0)."""
-    ins, outs = list(refs[:n_in]), list(refs[n_in:])
-    sync_ref = outs[-1]
-    no, ng, nd = (o_spec.num_operands if n_o else 0), g_spec.num_operands, d_spec.num_operands
-    ns = ng if s_spec is not None else 0
-    if n_o:
-        ox_ref, *ins = ins
-        o_refs, ins = ins[:no], ins[no:]
-        hnew_ref, *outs = outs
-    if n_router:
-        h_ref, nw_ref, r_ref, bias_ref, *w = ins
-        logits_ref, b_ref, act_ref, out_ref, _ = outs
-        route_a, x_ref = logits_ref, b_ref
-    else:
-        route_a, bias_ref, x_ref, *w = ins
-        act_ref, out_ref, _ = outs
-    gate, up, w = w[:ng], w[ng:2 * ng], w[2 * ng:]
-    sgate, sup, w = w[:ns], w[ns:2 * ns], w[2 * ns:]
-    w = w[:-1]  # the sync buffer's input
-    if n_o:  # h after attention, which the projection tiles write, is the router's input and down's residual
-        down, sdown, res_ref = w[:nd], w[nd:], hnew_ref
-        h_in_ref, h_ref = h_ref, hnew_ref
-    else:
-        down, sdown, res_ref = w[:nd], w[nd:-1], w[-1]
-    p = pl.program_id(0)
-    gbn, gbk = gate_up_block
-    dbn, dbk = down_block
-    gu_blocks, d_blocks = g_spec.n // gbn, d_spec.n // dbn
-    first_gate_up = n_o + n_router
-
-    def wait_router():
-        if n_router:
-            grid_sync.wait_for(sync_ref, 1, n_router, compiled)
-
-    if n_o:
-        @pl.when(p < n_o)
-        def _projection():  # gemv.gemv with the residual: hnew = h + bf16(o @ Wo.T)
-            obn, obk = o_block
-            n0 = pl.multiple_of(p * obn, obn)
-            gs = wt.global_scale(o_spec, o_refs, 0)
-            residual = [h_in_ref[r, pl.ds(n0, obn)] for r in range(mp)]
-            xs = wt.XSource(ox_ref, o_spec.kind)
-            accs = wt.stream_rows([xs] * mp, list(range(mp)), [(o_spec, o_refs)], [0], n0, obn, obk)
-            for r in range(mp):
-                y = wt.apply_global_scale(accs[r], gs).astype(BF16)
-                hnew_ref[r, pl.ds(n0, obn)] = (residual[r].astype(F32) + y.astype(F32)).astype(BF16)
-            grid_sync.arrive(sync_ref, 2, compiled)
-
-    if n_router:
-        @pl.when((p >= n_o) & (p < first_gate_up))
-        def _router():  # its first weight loads go out before it waits for the projection tiles
-            be, bk = router_block
-            router_mod.logits_tile(p - n_o, h_ref, nw_ref, r_ref, logits_ref, _act_store(b_ref, g_spec.kind, None),
-                                   mp=mp, be=be, bk=bk, eps=eps, has_norm=True,
-                                   wait=(lambda: grid_sync.wait_for(sync_ref, 2, n_o, compiled)) if n_o else None)
-            grid_sync.arrive(sync_ref, 1, compiled)
-
-    @pl.when((p >= first_gate_up) & (p < first_gate_up + n_gate_up))
-    def _gate_up():
-        q = p - first_gate_up
-        token = routing_from_refs(route_a, bias_ref, k, norm, scaling, lazy_weights=True,
-                                  volatile=n_router > 0)  # ids only
-        gate_up_tile(q // gu_blocks, q % gu_blocks, token, wt.XSource(x_ref, g_spec.kind), g_spec, gate, up, s_spec,
-                     sgate, sup, _act_store(act_ref, d_spec.kind, gbn), m=m, k=k, bn=gbn, bk=gbk, elementwise=False,
-                     prefetch=False, wait=wait_router if n_router else None)
-        grid_sync.arrive(sync_ref, 0, compiled)
-
-    @pl.when(p >= first_gate_up + n_gate_up)
-    def _down():
-        q = p - first_gate_up - n_gate_up
-
-        def store_out(t, n0, values):
-            out_ref[t, pl.ds(n0, dbn)] = values
-
-        wait_router()
-        token = routing_from_refs(route_a, bias_ref, k, norm, scaling, volatile=n_router > 0)
-        down_tile(q // d_blocks, q % d_blocks, token, wt.XSource(act_ref, d_spec.kind), d_spec, down,
-                  sd_spec, sdown, res_ref, store_out, m=m, k=k, bn=dbn, bk=dbk,
-                  wait=lambda: grid_sync.wait_for(sync_ref, 0, n_gate_up, compiled))
-
-
-def fuses_output_projection(layer, batch: int) -> bool:
-    """Whether the decode path hands this layer's attention output to fused_experts (FUSED_O): MoE layers at up to
-    FUSED_O_MAX_ROWS rows (more rows take the tensor-core projection kernel)."""
-    return FUSED_O and hasattr(layer.mlp, "router") and batch <= FUSED_O_MAX_ROWS
-
-
-def fused_experts(h: jax.Array, layer, cfg: FlintConfig, *, logits=None, b=None, o=None, interpret: bool = False,
-                  with_sync: bool = False):
-    """The MoE block's expert part in one kernel (FUSED_DOWN), with FUSED_ROUTER its router too, and with `o` the
-    attention's output projection and residual before it: `h1 + experts(rmsnorm(h1))` [M, H] bf16 with the separate
-    kernels' bits, where h1 = h + o @ Wo.T with o [M, Hq * D] bf16 given, else h1 = h.
-    logits [M, E] f32 and b = rmsnorm(h) [M, H] from router_logits when the router is not fused (both given, no o),
-    else computed by the kernel's router programs. with_sync: also return the sync buffer ([0] gate/up programs
-    arrived, [1] router programs, [2] projection programs, [TIMEOUT_SLOT] waits given up, which must be 0)."""
-    moe = layer.mlp
-    m, hidden = h.shape
-    if not 1 <= m <= 8:
-        raise ValueError(f"the fused expert kernel serves M = 1..8 rows, got {m}")
-    with_router = logits is None
-    if with_router != (b is None):
-        raise ValueError("give both logits and b (router run separately) or neither (router fused)")
-    if o is not None and not with_router:
-        raise ValueError("with o (the projection fused) the router runs in the kernel: give no logits and b")
-    k = cfg.num_experts_per_tok
-    mp = wt.pow2_rows(m)
-    g_spec, g_ops = wt.weight_operands(moe.gate, stacked=True)
-    _, u_ops = wt.weight_operands(moe.up, stacked=True)
-    d_spec, d_ops = wt.weight_operands(moe.down, stacked=True)
-    s_spec, shared_gu, sd_spec, shared_down = shared_expert_operands(moe)
-    gate_up_table, down_table = ((GATE_UP_BLOCK, DOWN_BLOCK) if g_spec.kind == "nvfp4"
-                                 else (BF16_GATE_UP_BLOCK, BF16_DOWN_BLOCK))
-    gbn, gbk, g_warps, g_stages, _, _ = _pick(g_spec.n, hidden, g_spec.kind, gate_up_table)
-    dbn, dbk, _, _, _, _ = _pick(hidden, d_spec.k, d_spec.kind, down_table)
-    if d_spec.kind == "nvfp4" and gbn % wt.GROUP and wt.GROUP % gbn:
-        raise NotImplementedError(f"gate/up blocks of {gbn} rows do not tile NVFP4's {wt.GROUP}-value groups")
-    pairs = m * (k + int(s_spec is not None))
-    n_gate_up = pairs * (g_spec.n // gbn)
-    n_down = m * (hidden // dbn)
-    experts = [*g_ops, *u_ops, *shared_gu, *d_ops, *shared_down]
-    outs = [jax.ShapeDtypeStruct(wt.x_shape(pairs, g_spec.n, d_spec.kind), BF16),
-            jax.ShapeDtypeStruct((m, hidden), BF16), jax.ShapeDtypeStruct((grid_sync.SYNC_SLOTS,), jnp.int32)]
-    e = moe.router.shape[-2]
-    o_spec, o_block, n_o, lead = None, None, 0, []
-    if o is not None:
-        o_spec, o_ops = wt.weight_operands(layer.attn.o)
-        if o.shape != (m, o_spec.k) or o_spec.n != hidden:
-            raise ValueError(f"o must be [{m}, {o_spec.k}] for an output projection [{hidden}, {o_spec.k}], got "
-                             f"{o.shape}")
-        ob = gemv_mod.pick_blocks(o_spec, mp, allow_dot=False)
-        o_block = (ob.bn, wt.k_tile(o_spec, min(ob.bk, FUSED_O_BK)))
-        n_o = hidden // ob.bn
-        lead = [wt.x_operand(wt.pad_rows(o.astype(BF16), mp), o_spec.kind), *o_ops]
-        outs = [jax.ShapeDtypeStruct((mp, hidden), BF16)] + [
-            jax.ShapeDtypeStruct((mp, e), F32), jax.ShapeDtypeStruct(wt.x_shape(mp, hidden, g_spec.kind), BF16),
-            *outs]
-    if with_router:
-        be, rbk = wt.largest_pow2_divisor(e, ROUTER_BLOCK[0]), wt.largest_pow2_divisor(hidden, ROUTER_BLOCK[1])
-        n_router = e // be
-        nw = layer.mlp_norm.astype(BF16)
-        residual = [] if o is not None else [h.astype(BF16)]
-        operands = [*lead, wt.pad_rows(h.astype(BF16), mp), nw, wt.lead_axis(moe.router).astype(F32),
-                    moe.router_bias.astype(F32), *experts, *residual, grid_sync.sync_buffer()]
-        if o is None:
-            outs = [jax.ShapeDtypeStruct((mp, e), F32),
-                    jax.ShapeDtypeStruct(wt.x_shape(mp, hidden, g_spec.kind), BF16), *outs]
-    else:
-        be = rbk = None
-        n_router = 0
-        operands = [logits.astype(F32), moe.router_bias.astype(F32), wt.x_operand(b.astype(BF16), g_spec.kind),
-                    *experts, h.astype(BF16), grid_sync.sync_buffer()]
-    n_in = len(operands)
-    operands, in_specs = layer_stack.kernel_args(operands)
-    kernel = functools.partial(_fused_experts_kernel, n_in=n_in, m=m, mp=mp, k=k, o_spec=o_spec, g_spec=g_spec,
-                               s_spec=s_spec, d_spec=d_spec, sd_spec=sd_spec, o_block=o_block,
-                               router_block=(be, rbk), gate_up_block=(gbn, gbk), down_block=(dbn, dbk), n_o=n_o,
-                               n_router=n_router, n_gate_up=n_gate_up, norm=bool(cfg.norm_topk_prob),
-                               scaling=float(cfg.routed_scaling_factor), eps=float(cfg.rms_norm_eps),
-                               compiled=not interpret)
-    results = pl.pallas_call(
-        kernel,
-        out_shape=outs,
-        grid=(n_o + n_router + n_gate_up + n_down,),
-        in_specs=in_specs,
-        out_specs=[pl.no_block_spec] * len(outs),
-        input_output_aliases={n_in - 1: len(outs) - 1},
-        compiler_params=plt.CompilerParams(num_warps=g_warps, num_stages=g_stages),
-        interpret=interpret,
-        name=f"moe_{'layer_tail' if o is not None else 'block' if with_router else 'experts'}_{g_spec.kind}",
-    )(*operands)
-    out, sync = results[-2], results[-1]
-    return (out, sync) if with_sync else out
-
-
 def moe_block(h: jax.Array, layer, cfg: FlintConfig, *, interpret: bool = False, blocks: dict | None = None):
     """`layers.mlp_block(h, layer, cfg)` for an MoE layer: three kernels, or one persistent kernel for at most
     moe_persistent.PERSISTENT_MAX_ROWS rows when PERSISTENT is set. h [..., H] bf16 with at most 8 rows.
@@ -546,8 +321,6 @@ def moe_block(h: jax.Array, layer, cfg: FlintConfig, *, interpret: bool = False,
     if PERSISTENT and not blocks and flat.shape[0] <= moe_persistent.PERSISTENT_MAX_ROWS:
         return moe_persistent.moe_block_persistent(h, layer_stack.materialize(layer), cfg, interpret=interpret)
     moe = layer.mlp
-    if FUSED_ROUTER and not blocks:
-        return fused_experts(flat, layer, cfg, interpret=interpret).reshape(*lead, -1)
     block = blocks.get("router", ROUTER_BLOCK)
     if ROUTE_IN_ROUTER:
         logits, b, ids, ws = router_mod.router_logits(flat, moe.router, norm_weight=layer.mlp_norm,
@@ -558,8 +331,6 @@ def moe_block(h: jax.Array, layer, cfg: FlintConfig, *, interpret: bool = False,
         logits, b = router_mod.router_logits(flat, moe.router, norm_weight=layer.mlp_norm, eps=cfg.rms_norm_eps,
                                              interpret=interpret, block=block)
         routing = None
-        if FUSED_DOWN and "gate_up" not in blocks and "down" not in blocks:
-            return fused_experts(flat, layer, cfg, logits=logits, b=b, interpret=interpret).reshape(*lead, -1)
     if routing is None and ROUTING_TO_DOWN:
         act, ids, ws = expert_gate_up(b, logits, moe, cfg, interpret=interpret, block=blocks.get("gate_up"),
                                       emit_routing=True)

@@ -102,19 +102,15 @@ def select_experts_rows(logits: jax.Array, bias: jax.Array, k: int, kp: int, nor
     return id_out, w_out
 
 
-def logits_tile(j, h_ref, nw_ref, r_ref, logits_ref, store_b, *, mp, be, bk, eps, has_norm, wait=None):
+def logits_tile(j, h_ref, nw_ref, r_ref, logits_ref, store_b, *, mp, be, bk, eps, has_norm):
     """Logits of experts [j*be, (j+1)*be) for the mp rows of h (RMS-normed on the fly), and, in tile 0, the normed
-    rows b through store_b(row, k0, values) (the persistent MoE kernel stores them in its own layout). wait: called
-    after the first router weight loads are issued and before h is read (h written by other programs of the same
-    launch: moe_experts.fused_experts with the output projection)."""
+    rows b through store_b(row, k0, values) (the persistent MoE kernel stores them in its own layout)."""
     e0 = pl.multiple_of(j * be, be)
     hidden = h_ref.shape[-1]
     xs = wt.XSource(h_ref, "bf16", nw_ref if has_norm else None, eps)
-    norms = None
-    if has_norm:  # deferred whenever h must not be read before `wait`
-        norms = wt.RowNorms(xs, mp, hidden) if wait is not None else wt.row_norms(xs, mp, hidden)
+    norms = wt.row_norms(xs, mp, hidden) if has_norm else None
     spec = wt.WeightSpec("bf16", 1, r_ref.shape[1], hidden)  # FP32 values; streamed like a BF16 weight
-    accs = wt.stream_rows([xs] * mp, list(range(mp)), [(spec, (r_ref,))], [0], e0, be, bk, norms, before_x=wait)
+    accs = wt.stream_rows([xs] * mp, list(range(mp)), [(spec, (r_ref,))], [0], e0, be, bk, norms)
     inv = norms.value if isinstance(norms, wt.RowNorms) else norms
     for r in range(mp):
         logits_ref[r, pl.ds(e0, be)] = accs[r]

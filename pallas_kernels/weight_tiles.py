@@ -266,7 +266,7 @@ def row_norms(xs: XSource, rows: int, k: int):
 def stream_rows(xs: Sequence[XSource], rows: Sequence, weights: Sequence[tuple[WeightSpec, Sequence]],
                 experts: Sequence, n0, bn: int, bk: int, inv: Sequence | None = None,
                 pairs: Sequence[tuple[int, int]] | None = None, elementwise: bool = False,
-                prefetch: bool = False, before_x=None) -> list[jax.Array]:
+                prefetch: bool = False) -> list[jax.Array]:
     """FP32 accumulators `x_r @ W_w[e_w, n0:n0+bn, :].T` (without the global scale), one per (w, r) in `pairs`
     (default: every weight with every row, weight-major).
 
@@ -279,10 +279,8 @@ def stream_rows(xs: Sequence[XSource], rows: Sequence, weights: Sequence[tuple[W
     `prefetch`: load step t+1's tiles before computing step t (a register double buffer carried by the loop):
     Triton's num_stages pipelining only applies to loads that feed a dot, so without this every step waits for its
     own loads. `inv` may be a function returning the rows' inv_rms: it is called after the first K step's loads are
-    issued, so the weights' HBM latency overlaps the norm prologue's reduction (NORM_AFTER_LOADS). `before_x`: a
-    function called after the first K step's weight loads are issued and before any activation is loaded (a kernel
-    that waits there for another program's activations has its weights on the way meanwhile). Returns f32 [bn] per
-    pair."""
+    issued, so the weights' HBM latency overlaps the norm prologue's reduction (NORM_AFTER_LOADS). Returns f32 [bn]
+    per pair."""
     spec0 = weights[0][0]
     for spec, _ in weights:
         if (spec.kind, spec.k) != (spec0.kind, spec0.k):
@@ -361,15 +359,10 @@ def stream_rows(xs: Sequence[XSource], rows: Sequence, weights: Sequence[tuple[W
             return compute(cur, accs), nxt
         return jax.lax.fori_loop(start, steps, body, (accs, load(start)))[0]
 
-    if inv_later is not None or before_x is not None:
-        if before_x is not None:  # the first step's weights, then the caller's wait, then its activations
-            w0 = load_w(0)
-            before_x()
-            first = (load_x(0), w0)
-        else:
-            first = load(0)
-        if inv_later is not None:  # after the first step's loads: they go out before the norm's reduction
-            inv = list(inv_later())  # RowNorms keeps them for the caller
+    if inv_later is not None:
+        first = load(0)
+        inv = list(inv_later())  # after the first step's loads: they go out before the norm's reduction (RowNorms
+        # keeps the values for the caller)
         accs = compute(first, init)
         if prefetch and steps > 1:
             accs = prefetch_loop(1, accs)

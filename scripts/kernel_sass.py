@@ -12,7 +12,7 @@ values a thread takes per K step.
     python scripts/kernel_sass.py --out /tmp/sass --n 2048 --k 4096 --rows 1              # O projection, NVFP4
     python scripts/kernel_sass.py --out /tmp/sass --n 2048 --k 4096 --rows 8 --block 32,256,2,3,1
     python scripts/kernel_sass.py --out /tmp/sass --mode logits --n 151552 --k 2048 --norm
-    python scripts/kernel_sass.py --out /tmp/sass --moe fused_router        # every kernel of the MoE block
+    python scripts/kernel_sass.py --out /tmp/sass --moe three               # every kernel of the MoE block
 """
 
 from __future__ import annotations
@@ -77,8 +77,7 @@ def capture_ttir(mode: str, n: int, k: int, rows: int, weights: str, block, norm
     return captured[0], blocks
 
 
-MOE_VARIANTS = {"three": {}, "fused_down": {"FUSED_DOWN": True}, "fused_router": {"FUSED_ROUTER": True},
-                "layer_tail": {}}  # layer_tail: fused_experts with the attention's output projection (FUSED_O)
+MOE_VARIANTS = {"three": {}, "persistent": {"PERSISTENT": True}}
 
 
 def capture_moe_ttirs(variant: str, weights: str, rows: int) -> list[tuple[str, str, int, int]]:
@@ -93,18 +92,15 @@ def capture_moe_ttirs(variant: str, weights: str, rows: int) -> list[tuple[str, 
     params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0), weights))
     layer = params.layers[cfg.first_k_dense_replace]
     h = jax.ShapeDtypeStruct((rows, cfg.hidden_size), jnp.bfloat16)
-    o = jax.ShapeDtypeStruct((rows, cfg.num_attention_heads * cfg.head_dim), jnp.bfloat16)  # attention output
 
-    def block(h, layer, o):
-        if variant == "layer_tail":
-            return moe_experts.fused_experts(h, layer, cfg, o=o)
+    def block(h, layer):
         return moe_experts.mlp_block(h, layer, cfg)
     saved = {k: getattr(moe_experts, k) for k in MOE_VARIANTS[variant]}
     try:
         for k, v in MOE_VARIANTS[variant].items():
             setattr(moe_experts, k, v)
         with capturing_triton_ir() as captured, lowering_for_gpu():
-            text = jax.jit(block).trace(h, layer, o).lower(lowering_platforms=("cuda",)).as_text()
+            text = jax.jit(block).trace(h, layer).lower(lowering_platforms=("cuda",)).as_text()
     finally:
         for k, v in saved.items():
             setattr(moe_experts, k, v)

@@ -74,13 +74,6 @@ def _variants():
         "topk_two_reductions": [(RT, "TOPK_ARGMAX", False)],  # max then lowest index per round (before run BR)
         "norm_before_loads": [(WT, "NORM_AFTER_LOADS", False)],  # the norm prologue first (before run BS)
         "late_epilogue_loads": [(WT, "EARLY_EPILOGUE_LOADS", False)],  # scales and residual after the K loop
-        # the MoE block's kernels joined by dataflow waits (moe_experts.fused_experts): gate/up + down in one
-        # launch, or router + gate/up + down
-        "fused_gate_up_down": [(ME, "FUSED_DOWN", True)],
-        "fused_moe_block": [(ME, "FUSED_ROUTER", True)],
-        # and the attention's output projection before them (each MoE layer: QKV, attention, one kernel)
-        "fused_layer_tail": [(ME, "FUSED_O", True)],
-        "fused_layer_tail_bk4096": [(ME, "FUSED_O", True), (ME, "FUSED_O_BK", 4096)],  # 196 registers  # every down program recomputes the top-k
         # BF16 weights with the blocks from before run BB's sweep
         "bf16_generic_tables": [(G, "BF16_TABLE", None), (ME, "BF16_GATE_UP_BLOCK", (8, 1024, 4, 3)),
                                 (ME, "BF16_DOWN_BLOCK", (8, 512, 4, 1))],

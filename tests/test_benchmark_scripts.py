@@ -82,12 +82,15 @@ def test_kernel_sass_writes_the_triton_ir(tmp_path):
     assert p.returncode != 0 and "--block wants bn,bk,warps,stages[,dot]" in (p.stdout + p.stderr)
 
 
-def test_kernel_sass_lists_the_fused_moe_block(tmp_path):
-    """--moe: every Triton kernel of Flint's MoE block; with FUSED_ROUTER the block is one kernel whose IR holds
-    the dataflow waits (atomic arrivals, a polling loop)."""
-    out = run_script("kernel_sass.py", "--out", str(tmp_path), "--moe", "fused_router", "--ttir-only")
-    assert out.count("Triton IR ->") == 1 and "moe_block_nvfp4: 4 warps" in out
-    ttir = next(tmp_path.glob("moe_fused_router_nvfp4_m1_0_*.ttir")).read_text()
+def test_kernel_sass_lists_the_moe_blocks_kernels(tmp_path):
+    """--moe: every Triton kernel of Flint's MoE block (three kernels; with PERSISTENT one, whose IR holds the grid
+    barriers: atomic arrivals and a polling loop)."""
+    out = run_script("kernel_sass.py", "--out", str(tmp_path), "--moe", "three", "--ttir-only")
+    assert out.count("Triton IR ->") == 3
+    assert all(f"{name}: " in out for name in ("router_logits", "moe_gate_up_nvfp4", "moe_down_nvfp4"))
+    out = run_script("kernel_sass.py", "--out", str(tmp_path), "--moe", "persistent", "--ttir-only")
+    assert out.count("Triton IR ->") == 1 and "moe_persistent_nvfp4: 4 warps" in out
+    ttir = next(tmp_path.glob("moe_persistent_nvfp4_m1_0_*.ttir")).read_text()
     assert "tt.atomic_rmw" in ttir and "scf.while" in ttir
     p = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "kernel_sass.py"), "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=300, cwd=ROOT)

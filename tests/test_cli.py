@@ -12,6 +12,19 @@ def test_help_and_usage_errors():
     assert r.returncode == 0 and "generate" in r.stdout and "chat" in r.stdout
     assert flint().returncode == 2
     assert flint("generate", "--max-tokens", "x").returncode == 2
+    r = flint("generate", "--steps-per-dispatch", "0")
+    assert r.returncode == 2 and "expected 'auto' or an integer >= 1, got '0'" in r.stderr
+
+
+def test_steps_per_dispatch_auto_is_one_off_the_gpu():
+    """--steps-per-dispatch auto (the default): GPU_STEPS_PER_DISPATCH on a GPU backend, 1 here (CPU)."""
+    import jax
+
+    from flint_jax import cli
+    assert cli.steps_per_dispatch_arg("auto") == "auto" and cli.steps_per_dispatch_arg("3") == 3
+    assert cli.resolve_steps_per_dispatch(3) == 3
+    expected = cli.GPU_STEPS_PER_DISPATCH if jax.default_backend() == "gpu" else 1
+    assert cli.resolve_steps_per_dispatch("auto") == expected
 
 
 def test_generate_runs_and_bad_values_exit_1():

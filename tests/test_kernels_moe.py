@@ -180,69 +180,6 @@ def test_moe_block_load_order_knobs_keep_the_output_bits(m, monkeypatch):
     np.testing.assert_array_equal(outs[0], outs[1])
 
 
-@pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
-@pytest.mark.parametrize("m", [1, 3, 8])
-@pytest.mark.parametrize("with_router", [False, True], ids=["experts", "router_and_experts"])
-def test_fused_expert_kernel_keeps_the_output_bits(kind, m, with_router, monkeypatch):
-    """FUSED_DOWN (gate/up and down in one kernel, the down programs waiting for the gate/up programs' arrivals)
-    and FUSED_ROUTER (the router's programs first in the same grid) give the three-kernel block's bits; every
-    producer program arrived and no wait gave up."""
-    layer = layer_of(kind)
-    h = hidden(600 + m, m)
-    separate = np.asarray(run_block(kernel_block, h, layer, CFG))
-    monkeypatch.setattr(X, "FUSED_ROUTER" if with_router else "FUSED_DOWN", True)
-    fused = np.asarray(run_block(kernel_block, h, layer, CFG))
-    np.testing.assert_array_equal(fused, separate)
-    if with_router:
-        call = jax.jit(lambda h: X.fused_experts(h, layer, CFG, interpret=INTERPRET, with_sync=True))
-        out, sync = call(h)
-    else:
-        logits, b = R.router_logits(h, layer.mlp.router, norm_weight=layer.mlp_norm, interpret=INTERPRET)
-        call = jax.jit(lambda h, lg, b: X.fused_experts(h, layer, CFG, logits=lg, b=b, interpret=INTERPRET,
-                                                        with_sync=True))
-        out, sync = call(h, logits, b)
-    np.testing.assert_array_equal(np.asarray(out), separate)
-    gate_rows = layer.mlp.gate.shape[-2] if kind == "bf16" else layer.mlp.gate.codes.shape[-2]
-    table = X.GATE_UP_BLOCK if kind == "nvfp4" else X.BF16_GATE_UP_BLOCK
-    gbn = X._pick(gate_rows, CFG.hidden_size, kind, table)[0]
-    assert int(sync[0]) == m * (CFG.num_experts_per_tok + 1) * CFG.moe_intermediate_size // gbn
-    be = min(X.ROUTER_BLOCK[0], CFG.n_routed_experts)
-    assert int(sync[1]) == (CFG.n_routed_experts // be if with_router else 0)
-    assert int(sync[GS.TIMEOUT_SLOT]) == 0
-    with pytest.raises(ValueError, match="both logits and b"):
-        X.fused_experts(h, layer, CFG, logits=jnp.zeros((m, CFG.n_routed_experts), F32), interpret=INTERPRET)
-
-
-@pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
-@pytest.mark.parametrize("m", [1, 2])
-@pytest.mark.parametrize("o_bk", [None, 64], ids=["one_k_step", "two_k_steps"])
-def test_fused_kernel_with_the_output_projection_keeps_the_bits(kind, m, o_bk, monkeypatch):
-    """fused_experts with o: the attention's output projection + residual, then router, gate/up and down, in one
-    kernel, equal gemv(o, Wo, residual=h) followed by the three-kernel block: bit for bit where the projection's K
-    (128 here) is one step as in gemv; in two steps (FUSED_O_BK) to the BF16 rounding of a reordered FP32 sum."""
-    if o_bk is not None:
-        monkeypatch.setattr(X, "FUSED_O_BK", o_bk)
-    import dataclasses
-    import types
-
-    from flint_jax.pallas_kernels import gemv
-    width = CFG.num_attention_heads * CFG.head_dim
-    wo = _linear(jax.random.PRNGKey(720), (CFG.hidden_size, width), kind, 11)
-    layer = dataclasses.replace(layer_of(kind), attn=types.SimpleNamespace(o=wo))  # the MoE half and Wo
-    h = hidden(700 + m, m)
-    o = (jax.random.normal(jax.random.PRNGKey(710 + m), (m, width), F32)).astype(BF16)
-    h1 = jax.jit(lambda o, h: gemv.gemv(o, layer.attn.o, residual=h, interpret=INTERPRET))(o, h)
-    separate = np.asarray(run_block(kernel_block, h1, layer_of(kind), CFG))
-    out, sync = jax.jit(lambda h, o: X.fused_experts(h, layer, CFG, o=o, interpret=INTERPRET, with_sync=True))(h, o)
-    if o_bk is None:
-        np.testing.assert_array_equal(np.asarray(out), separate)
-    else:
-        assert_residual_close(out, separate, h1)
-    assert int(sync[2]) > 0 and int(sync[1]) > 0 and int(sync[GS.TIMEOUT_SLOT]) == 0
-    with pytest.raises(ValueError, match="must be"):
-        X.fused_experts(h, layer, CFG, o=o[:, :-16], interpret=INTERPRET)
-
-
 @pytest.mark.parametrize("m", [1, 3, 8])
 def test_gate_up_emits_the_routing_down_reads(m, monkeypatch):
     """ROUTING_TO_DOWN: the gate/up kernel's ids and weights are the router's top-k (ids equal, weights to 1e-6;
@@ -295,16 +232,12 @@ def test_dense_mlp_block_matches_mlp_block(kind, m):
 @pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
 def test_blocks_lower_to_three_and_two_triton_kernels(kind, monkeypatch):
     """Lowered for the GPU (Pallas -> Triton IR, no GPU needed; see test_kernels_gemv.lower_for_gpu): the MoE block is
-    exactly 3 Triton kernels (1 with PERSISTENT at 1 and 2 tokens, 2 with FUSED_DOWN, 1 with FUSED_ROUTER), the
+    exactly 3 Triton kernels (1 with PERSISTENT at 1 and 2 tokens), the
     dense block 2, the standalone router 2. This is the stage where the BF16 expert kernels once failed on the GPU (a
     one-step K loop) while interpret mode passed."""
     from test_kernels_gemv import TRITON_CALL, lower_for_gpu
-    for persistent, fused, m, kernels in ((False, "", 1, 3), (False, "", 8, 3), (True, "", 1, 1), (True, "", 2, 1),
-                                          (True, "", 8, 3), (False, "down", 1, 2), (False, "down", 8, 2),
-                                          (False, "router", 1, 1), (False, "router", 8, 1)):
+    for persistent, m, kernels in ((False, 1, 3), (False, 8, 3), (True, 1, 1), (True, 2, 1), (True, 8, 3)):
         monkeypatch.setattr(X, "PERSISTENT", persistent)
-        monkeypatch.setattr(X, "FUSED_DOWN", fused == "down")
-        monkeypatch.setattr(X, "FUSED_ROUTER", fused == "router")
         h = hidden(m, m)
         moe = lower_for_gpu(monkeypatch, lambda h, l: X.moe_block(h, l, CFG), h, layer_of(kind))
         assert moe.count(TRITON_CALL) == kernels

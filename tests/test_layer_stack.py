@@ -170,26 +170,3 @@ def test_prefill_pipeline_with_stacked_caches_resets_only_its_segments_rows(tiny
     _same_tree(outs[0], outs[1])
 
 
-@pytest.mark.parametrize("weights", ["bf16", "nvfp4"])
-def test_decode_with_the_projection_in_the_moe_kernel_keeps_the_bits(weights, tiny_cfg, tiny_params,
-                                                                      tiny_params_nvfp4, monkeypatch):
-    """moe_experts.FUSED_O: the decode path's attention block stops before Wo and the MoE layers' one kernel
-    projects, routes and runs the experts: the same hidden states and caches as the separate kernels, with per-layer
-    and with stacked parameters (the dense layers keep their own blocks)."""
-    from flint_jax.pallas_kernels import moe_experts
-    params = tiny_params if weights == "bf16" else tiny_params_nvfp4
-    cfg = tiny_cfg
-    toks = jax.random.randint(jax.random.key(4), (2, 8), 0, cfg.vocab_size)
-    outs = []
-    for fused, p in ((False, params), (True, params), (True, LS.stack_layers(params))):
-        monkeypatch.setattr(moe_experts, "FUSED_O", fused)
-        state = init_state(cfg, 2, 16)
-        _, state = step(p, state, toks[:, :6], jnp.array([6, 5]), cfg, impl="pallas")
-        decode = jax.jit(lambda p, s, t, n: M.model_step(p, s, t, n, cfg, impl="pallas"))  # traced per setting
-        hs = []
-        for i in range(6, 8):
-            h, state = decode(p, state, toks[:, i:i + 1], jnp.array([1, 1]))
-            hs.append(h)
-        outs.append((hs, state))
-    _same_tree(outs[0], outs[1])
-    _same_tree(outs[0], outs[2])

@@ -61,20 +61,6 @@ def test_decode_step_lowers_for_the_gpu_with_the_planned_kernels(tiny_cfg):
     assert census["by_kernel"]["moe_gate_up_nvfp4"] == n_moe
 
 
-def test_census_with_the_layer_tail_fused(tiny_cfg, monkeypatch):
-    """moe_experts.FUSED_O: each MoE layer's output projection, router, gate/up and down are one launch, so an MoE
-    layer takes QKV + attention + that kernel (+ a combine on full layers split more ways than the attention kernel
-    folds); dense layers keep five."""
-    from flint_jax.pallas_kernels import moe_experts
-    base = pallas_path.kernel_census(tiny_cfg, "nvfp4", batch=1, max_len=64)
-    monkeypatch.setattr(moe_experts, "FUSED_O", True)
-    fused = pallas_path.kernel_census(tiny_cfg, "nvfp4", batch=1, max_len=64)
-    n_moe = sum(tiny_cfg.is_moe(i) for i in range(tiny_cfg.num_hidden_layers))
-    assert fused["by_kernel"]["moe_layer_tail_nvfp4"] == n_moe
-    assert fused["pallas_kernels"] == base["pallas_kernels"] - 3 * n_moe
-    assert "moe_gate_up_nvfp4" not in fused["by_kernel"] and "router_logits" not in fused["by_kernel"]
-
-
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
 @pytest.mark.parametrize("weights", ["bf16", "nvfp4"])
 def test_lm_logits_pallas(rows, weights, tiny_cfg, tiny_params, tiny_params_nvfp4, monkeypatch):
