@@ -304,10 +304,8 @@ def stream_rows(xs: Sequence[XSource], rows: Sequence, weights: Sequence[tuple[W
         shape = (bn, bk) if elementwise else (bn,)
     init = tuple(jnp.zeros(shape, F32) for _ in pairs)
 
-    def load_x(t):
-        return tuple(tuple(xs[r].load(rows[r], t, bk, h) for h in halves) for r in used_rows)
-
-    def load_w(t):
+    def load(t):
+        xr = tuple(tuple(xs[r].load(rows[r], t, bk, h) for h in halves) for r in used_rows)
         wr = []
         for wi in used_weights:
             (_, refs), e = weights[wi], experts[wi]
@@ -318,11 +316,7 @@ def stream_rows(xs: Sequence[XSource], rows: Sequence, weights: Sequence[tuple[W
                            scales[e, pl.ds(n0, bn), pl.ds(half_groups + g0, g)]))
             else:
                 wr.append((refs[0][e, pl.ds(n0, bn), pl.ds(k_start(t, bk), bk)],))
-        return tuple(wr)
-
-    def load(t):
-        xr = load_x(t)
-        return xr, load_w(t)
+        return xr, tuple(wr)
 
     def compute(raw, accs):
         xr, wr = raw
@@ -359,10 +353,9 @@ def stream_rows(xs: Sequence[XSource], rows: Sequence, weights: Sequence[tuple[W
             return compute(cur, accs), nxt
         return jax.lax.fori_loop(start, steps, body, (accs, load(start)))[0]
 
-    if inv_later is not None:
+    if inv_later is not None:  # the first step's loads go out before the norm's reduction (and its barriers)
         first = load(0)
-        inv = list(inv_later())  # after the first step's loads: they go out before the norm's reduction (RowNorms
-        # keeps the values for the caller)
+        inv = list(inv_later())  # RowNorms keeps them for the caller
         accs = compute(first, init)
         if prefetch and steps > 1:
             accs = prefetch_loop(1, accs)
