@@ -16,15 +16,16 @@ def test_help_and_usage_errors():
     assert r.returncode == 2 and "expected 'auto' or an integer >= 1, got '0'" in r.stderr
 
 
-def test_steps_per_dispatch_auto_is_one_off_the_gpu():
-    """--steps-per-dispatch auto (the default): GPU_STEPS_PER_DISPATCH on a GPU backend, 1 here (CPU)."""
+def test_steps_per_dispatch_auto_is_4_on_a_gpu_and_1_elsewhere(monkeypatch):
+    """--steps-per-dispatch auto (the default): 4 when JAX's default backend is a GPU, 1 on a CPU; numbers pass."""
     import jax
 
     from flint_jax import cli
     assert cli.steps_per_dispatch_arg("auto") == "auto" and cli.steps_per_dispatch_arg("3") == 3
     assert cli.resolve_steps_per_dispatch(3) == 3
-    expected = cli.GPU_STEPS_PER_DISPATCH if jax.default_backend() == "gpu" else 1
-    assert cli.resolve_steps_per_dispatch("auto") == expected
+    for backend, steps in (("cpu", 1), ("gpu", 4)):
+        monkeypatch.setattr(jax, "default_backend", lambda: backend)
+        assert cli.resolve_steps_per_dispatch("auto") == steps
 
 
 def test_generate_runs_and_bad_values_exit_1():
