@@ -66,7 +66,7 @@ def _turn(engine, messages, tools, args, out) -> dict:
 
 
 def run(args) -> int:
-    from flint_jax.cli import resolve_max_len, resolve_steps_per_dispatch
+    from flint_jax.cli import resolve_max_len
     from flint_jax.engine import Engine
     from flint_jax.runtime import engine_params, load_runtime
 
@@ -75,7 +75,7 @@ def run(args) -> int:
     if tools is None:
         tools = rt.default_tools
     engine = Engine(rt.cfg, engine_params(rt, args.impl), max_batch=1, max_len=resolve_max_len(args, rt),
-                    impl=args.impl, steps_per_dispatch=resolve_steps_per_dispatch(args.steps_per_dispatch),
+                    impl=args.impl, steps_per_dispatch=args.steps_per_dispatch,
                     chunk_size=args.prefill_chunk,
                     tokenizer=rt.tokenizer, chat_template=rt.chat_template)
     messages = [{"role": "system", "content": args.system}] if args.system else []

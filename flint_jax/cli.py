@@ -30,41 +30,24 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "parameters stacked into a few buffers (default: xla)")
     p.add_argument("--max-len", type=int, default=None,
                    help="longest sequence a request may reach (default: min(2048, the model's context))")
-    p.add_argument("--steps-per-dispatch", type=steps_per_dispatch_arg, default="auto",
-                   help="decode steps per device call, or 'auto': more hide the host's per-call cost on a GPU (Flint "
-                        "on an H200, Pallas, batch 1, 8K prompt: 3.24 ms/token at 1, 2.18 at 4); tokens then print "
-                        f"in bursts of this many. auto = {GPU_STEPS_PER_DISPATCH} on a GPU, 1 elsewhere "
-                        "(default: auto)")
+    p.add_argument("--steps-per-dispatch", type=steps_per_dispatch_arg, default=1,
+                   help="decode steps per device call; tokens then print in bursts of this many. Each call is "
+                        "dispatched while the previous one runs, so 1 was the fastest on the H200 (Flint, Pallas, "
+                        "batch 1, 100K prompt: 2.71 ms/token at 1, 2.79 at 4; docs/BENCHMARKS.md run CD) (default: 1)")
     p.add_argument("--prefill-chunk", type=int, default=256,
                    help="prompt tokens per prefill call (one compiled program per size); on a GPU with long "
                         "prompts use thousands, e.g. 8192 (default: 256)")
 
 
-# Decode steps per device call that `--steps-per-dispatch auto` picks on a GPU: Engine.generate at batch 1 on the
-# H200 (NVFP4, Pallas, 8K prompt) 3.24 ms/token at 1 step, 2.18 at 4 (docs/BENCHMARKS.md, runs BS, BU). On a CPU the
-# host's dispatch is small against the step, so 1 (tokens print one by one).
-GPU_STEPS_PER_DISPATCH = 4
-
-
-def steps_per_dispatch_arg(text: str):
-    """argparse type of --steps-per-dispatch: 'auto' or an integer >= 1."""
-    if text == "auto":
-        return text
+def steps_per_dispatch_arg(text: str) -> int:
+    """argparse type of --steps-per-dispatch: an integer >= 1."""
     try:
         value = int(text)
     except ValueError:
         value = 0
     if value < 1:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or an integer >= 1, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
     return value
-
-
-def resolve_steps_per_dispatch(value) -> int:
-    """--steps-per-dispatch as an integer: 'auto' is GPU_STEPS_PER_DISPATCH when JAX's default backend is a GPU."""
-    if value != "auto":
-        return int(value)
-    import jax
-    return GPU_STEPS_PER_DISPATCH if jax.default_backend() == "gpu" else 1
 
 
 def resolve_max_len(args, rt) -> int:
@@ -102,7 +85,7 @@ def run_generate(args) -> int:
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                               max_tokens=args.max_tokens, seed=args.seed, stop_token_ids=rt.stop_token_ids)
     engine = Engine(rt.cfg, engine_params(rt, args.impl), max_batch=1, max_len=resolve_max_len(args, rt),
-                    impl=args.impl, steps_per_dispatch=resolve_steps_per_dispatch(args.steps_per_dispatch),
+                    impl=args.impl, steps_per_dispatch=args.steps_per_dispatch,
                     chunk_size=args.prefill_chunk)
     decoder = IncrementalDecoder(rt.tokenizer)
     sys.stdout.write(args.prompt if not args.chat else "")

@@ -113,6 +113,38 @@ def decode_steps(params: Params, state: KVState, tokens: jax.Array, active: jax.
     return jnp.stack(out), state
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "impl", "num_steps"), donate_argnames=("state", "out"),
+                   keep_unused=True)  # keep `out`: jit prunes unused arguments, and with them the donation
+def decode_burst(params: Params, state: KVState, out: jax.Array, last: jax.Array, active: jax.Array,
+                 limits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                 cfg: FlintConfig, impl: str = "xla", num_steps: int = 1):
+    """`decode_steps` with its per-burst inputs and its output in two device buffers of shape [num_steps + 1, B]
+    int32 that take turns, so that a decode loop's bursts keep their arguments at fixed device addresses.
+
+    last: the previous burst's buffer, read: row num_steps - 1 holds each row's last token, row num_steps the
+    tokens it has generated so far. out: the other buffer, donated: the result is written in its place, rows
+    0..num_steps-1 this burst's tokens (-1 where a row did not run), row num_steps the generated count plus
+    num_steps. Returns (buffer, new state).
+
+    Why: XLA replays a program's recorded command buffer (CUDA graph) while its buffers keep their addresses and
+    re-records it when one moves. With the last burst's output still alive at the next dispatch, the re-recording
+    cost ~1 ms per dispatch on the H200 (XLA's log: ~60 ms of updates per 64 one-step bursts, against ~2 ms when
+    that output was dropped first); with these buffers ~6 ms per 64 bursts, only the commands that touch them
+    (runs CB-CC, docs/BENCHMARKS.md)."""
+    del out  # donated so that the result takes its place
+    tokens, generated = last[num_steps - 1], last[num_steps]
+    burst, state = decode_steps(params, state, tokens, active, limits, keys, generated, temperature, top_k, top_p,
+                                cfg=cfg, impl=impl, num_steps=num_steps)
+    return jnp.concatenate([burst, (generated + num_steps)[None]]), state
+
+
+def burst_buffer(tokens: np.ndarray, generated: np.ndarray, num_steps: int) -> np.ndarray:
+    """The host-side `last` buffer of a decode loop's first burst (see `decode_burst`)."""
+    buf = np.zeros((num_steps + 1, len(tokens)), np.int32)
+    buf[num_steps - 1], buf[num_steps] = tokens, generated
+    return buf
+
+
 @dataclasses.dataclass
 class _Slot:
     request: int
@@ -132,16 +164,14 @@ class Engine:
     max_batch: concurrent requests (<= 8). max_len: longest sequence (prompt + output) a slot can hold.
     chunk_size: prompt tokens per prefill call. impl: "xla" (reference) or "pallas" (fused decode kernels).
     steps_per_dispatch: decode steps per device call (one compiled program); tokens then stream in bursts of this
-    many, and a request's tokens are the same for any value (see `decode_steps`). More steps amortise the host's
-    dispatch cost; a request that stops mid-burst wastes the rest of that burst's compute on its row.
-    overlap_dispatch: dispatch each burst before the host reads the previous one's tokens (the next burst's inputs
-    are the last burst's sampled tokens, still on the device), so the host's dispatch runs while the device works
-    instead of after it; a request's tokens are the same either way. A request that stops costs its row the burst
-    already in flight, whose tokens for it are discarded. None (default): on when steps_per_dispatch > 1. Measured
-    on one H200 (Flint, NVFP4, Pallas, batch 1, 8K prompt; scripts/bench_engine.py, docs/BENCHMARKS.md run BK): 4
-    steps per dispatch 3.81 -> 2.61 ms/token with it; 1 step 6.03 -> 7.70 ms/token (by our reading, a dispatch that
-    donates the state waits for the step still using it, so at one step per call the host's work cannot overlap);
-    with stacked parameters 4 steps per dispatch and overlap: 2.37 ms/token (run BN).
+    many, and a request's tokens are the same for any value (see `decode_steps`). A request that stops mid-burst
+    wastes the rest of that burst's compute on its row. With overlap_dispatch, 1 (the default) was the fastest on
+    the H200 (Flint, NVFP4, Pallas, batch 1, 100K prompt: 2.71 ms/token at 1, 2.79 at 4; run CD, docs/BENCHMARKS.md).
+    overlap_dispatch: dispatch each burst before the host reads the previous one's tokens (the next burst reads the
+    last burst's tokens on the device), so the host's work runs while the device works instead of after it; a
+    request's tokens are the same either way. A request that stops costs its row the burst already in flight, whose
+    tokens for it are discarded. On by default: one step per dispatch at a 100K prompt, 3.63 ms/token without it,
+    2.71 with it (run CD).
     stacked_caches: hold the KV caches as two stacks (state.StackedCaches: 5 buffers per call instead of 134 for
     Flint), which the Pallas decode kernels write in place; the XLA reference would copy a layer's cache out of the
     stack and back on every step. None (default): on for impl="pallas", off for "xla". Measured on one H200 (run
@@ -154,7 +184,7 @@ class Engine:
 
     def __init__(self, cfg: FlintConfig, params: Params, *, max_batch: int = MAX_BATCH, max_len: int = 2048,
                  chunk_size: int = 256, impl: str = "xla", steps_per_dispatch: int = 1,
-                 overlap_dispatch: bool | None = None, stacked_caches: bool | None = None,
+                 overlap_dispatch: bool = True, stacked_caches: bool | None = None,
                  tokenizer=None, chat_template: str | None = None,
                  prefill_cuts: Sequence[int] = prefill_pipeline.DEFAULT_CUTS):
         if not 1 <= max_batch <= MAX_BATCH:
@@ -170,7 +200,7 @@ class Engine:
         self.cfg, self.params = cfg, params
         self.max_batch, self.max_len, self.chunk_size, self.impl = max_batch, max_len, chunk_size, impl
         self.steps_per_dispatch = int(steps_per_dispatch)
-        self.overlap_dispatch = self.steps_per_dispatch > 1 if overlap_dispatch is None else bool(overlap_dispatch)
+        self.overlap_dispatch = bool(overlap_dispatch)
         prefill_pipeline.segments(cfg.num_hidden_layers, prefill_cuts)  # refuses cuts that are not layer indices
         self.prefill_cuts = tuple(prefill_cuts)
         if stacked_caches is None:
@@ -288,14 +318,16 @@ class Engine:
                 yield from self._emit(slots, b, int(nxt[b]), results)
 
     def _decode(self, slots, rows, results, admit_after_one: bool = False):
-        """`decode_steps` bursts for `rows`, their tokens in step order; a request that finishes mid-burst frees its
-        slot and the rest of its row is discarded. Without overlap_dispatch (or with admit_after_one: a free slot
-        waits for a queued request) one burst per call, after which `_run` admits waiting requests into free slots;
-        with it, bursts follow each other until a row finishes, each dispatched before the previous one is read, and
-        the burst in flight when a row finishes is read too (its tokens for the other rows are theirs).
-        Without overlap, bursts inside one call (the next burst's tokens from the last one's output) measured slower
-        on the H200: 4.08-4.28 against 3.36 ms/token at one step per dispatch (run BY, scripts/ab_decode_loop.py
-        at 0fbf21a)."""
+        """`decode_burst` bursts for `rows`, their tokens in step order, until a row finishes (or after one burst
+        with admit_after_one: a free slot waits for a queued request, which `_run` then admits). A request that
+        finishes mid-burst frees its slot and the rest of its row is discarded. With overlap_dispatch each burst
+        is dispatched before the host reads the previous one, and the burst in flight when a row finishes is read
+        too (its tokens for the other rows are theirs).
+
+        Every input of the loop's bursts keeps its device address for the whole loop: the settings are uploaded
+        once, and each burst reads its tokens from the previous burst's buffer on the device, the two buffers taking
+        turns (`decode_burst`). So XLA replays the program's recorded command buffer instead of updating most of it
+        on every dispatch."""
         B, n = self.max_batch, self.steps_per_dispatch
         tokens, active = np.zeros(B, np.int32), np.zeros(B, bool)
         limits, generated = np.zeros(B, np.int32), np.zeros(B, np.int32)
@@ -305,35 +337,37 @@ class Engine:
             # The state holds prompt + generated - 1 tokens; the request's last token is its max_tokens-th, sampled
             # by the step that writes position prompt + max_tokens - 2, so no step may start at this length.
             limits[b] = len(s.prompt) + s.sampling.max_tokens - 1
-        settings = self._settings(slots, rows)
+        fixed = [jnp.asarray(a) for a in (active, limits, *self._settings(slots, rows))]
+        buffers = [jnp.zeros((n + 1, B), jnp.int32), jnp.asarray(burst_buffer(tokens, generated, n))]
+        turn = 0
 
-        def dispatch(tokens, generated):
-            out, self.state = decode_steps(self.params, self.state, tokens, active, limits, self.keys, generated,
-                                           *settings, cfg=self.cfg, impl=self.impl, num_steps=n)
-            return out
+        def dispatch():
+            nonlocal turn
+            p = turn % 2
+            buffers[p], self.state = decode_burst(self.params, self.state, buffers[p], buffers[1 - p], fixed[0],
+                                                  fixed[1], self.keys, *fixed[2:], cfg=self.cfg, impl=self.impl,
+                                                  num_steps=n)
+            turn += 1
+            return buffers[p]
 
         def emit(out):  # -> whether a row finished
             finished = False
-            for step in np.asarray(out):
+            for step in np.asarray(out)[:n]:
                 for b in rows:
                     if slots[b] is not None:
                         yield from self._emit(slots, b, int(step[b]), results)
                         finished |= slots[b] is None
             return finished
 
-        out = dispatch(tokens, generated)
+        out = dispatch()
         while True:
-            ahead = None
-            if self.overlap_dispatch and not admit_after_one:
-                generated = generated + n  # a live row produced n tokens (a row that did not is past its limit)
-                ahead = dispatch(out[-1], generated)  # -1 marks rows that did not run; they do not run next either
+            ahead = dispatch() if self.overlap_dispatch and not admit_after_one else None
             finished = yield from emit(out)
-            if ahead is None:
+            if finished or admit_after_one:
+                if ahead is not None:
+                    yield from emit(ahead)
                 return
-            if finished:
-                yield from emit(ahead)
-                return
-            out = ahead
+            out = ahead if ahead is not None else dispatch()
 
     def _emit(self, slots, b, token, results):
         s = slots[b]
