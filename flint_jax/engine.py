@@ -70,24 +70,45 @@ def prefill_chunk(params: Params, state: KVState, tokens: jax.Array, n_new: jax.
     return prefill_pipeline.sample_first_token(params, h, n_new, keys, temperature, top_k, top_p, cfg, impl), state
 
 
-def _decode_step(params, state, tokens, active, keys, temperature, top_k, top_p, cfg, impl):
+SAMPLERS = ("sort", "top_k")
+
+
+def decode_sampler(impl: str, settings: Sequence[tuple[float, int]]) -> str:
+    """How decode steps sample rows with these (temperature, top_k) settings: "top_k" (the top-k kernels,
+    `pallas_path.sample_top_k`) on the Pallas path when every row allows it, else "sort" (`sampling.sample`)."""
+    if impl != "pallas":
+        return "sort"
+    from flint_jax import pallas_path
+    from flint_jax.pallas_kernels.top_k_sampling import supports
+    ok = pallas_path.TOP_K_SAMPLING and all(supports(k, t) for t, k in settings)
+    return "top_k" if ok else "sort"
+
+
+def _decode_step(params, state, tokens, active, keys, temperature, top_k, top_p, cfg, impl, sampler):
+    if sampler not in SAMPLERS:
+        raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
     h, state = M.model_step(params, state, tokens[:, None], active.astype(jnp.int32), cfg, impl=impl)
     logits = M.lm_logits(params, h[:, 0], cfg, impl=impl)
+    if sampler == "top_k":
+        from flint_jax import pallas_path
+        return pallas_path.sample_top_k(logits, keys, temperature, top_k, top_p), state
     return sample(logits, keys, temperature, top_k, top_p), state
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("cfg", "impl", "sampler"), donate_argnames=("state",))
 def decode(params: Params, state: KVState, tokens: jax.Array, active: jax.Array, keys: jax.Array,
-           temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, cfg: FlintConfig, impl: str = "xla"):
+           temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, cfg: FlintConfig, impl: str = "xla",
+           sampler: str = "sort"):
     """One decode step: tokens [B] at each row's next position (inactive rows are left untouched), sampled with
-    the given keys [B]. Returns (next token per row, new state)."""
-    return _decode_step(params, state, tokens, active, keys, temperature, top_k, top_p, cfg, impl)
+    the given keys [B]. sampler: "sort" (`sampling.sample`) or "top_k" (the top-k kernels; every row must be greedy
+    or have 1 <= top_k <= top_k_sampling.K_MAX: see `decode_sampler`). Returns (next token per row, new state)."""
+    return _decode_step(params, state, tokens, active, keys, temperature, top_k, top_p, cfg, impl, sampler)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "impl", "num_steps"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("cfg", "impl", "num_steps", "sampler"), donate_argnames=("state",))
 def decode_steps(params: Params, state: KVState, tokens: jax.Array, active: jax.Array, limits: jax.Array,
                  keys: jax.Array, generated: jax.Array, temperature: jax.Array, top_k: jax.Array,
-                 top_p: jax.Array, cfg: FlintConfig, impl: str = "xla", num_steps: int = 1):
+                 top_p: jax.Array, cfg: FlintConfig, impl: str = "xla", num_steps: int = 1, sampler: str = "sort"):
     """`num_steps` decode steps in one program; each step's sampled token is the next step's input.
 
     tokens [B]: each row's last token (not yet in the state; -1, as a row that did not run returns, reads as 0).
@@ -107,17 +128,17 @@ def decode_steps(params: Params, state: KVState, tokens: jax.Array, active: jax.
         with jax.named_scope(f"step{i}"):
             live = active & (state.lengths < limits)
             nxt, state = _decode_step(params, state, tokens, live, token_keys(keys, generated + i), temperature,
-                                      top_k, top_p, cfg, impl)
+                                      top_k, top_p, cfg, impl, sampler)
         out.append(jnp.where(live, nxt, -1))
         tokens = nxt
     return jnp.stack(out), state
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "impl", "num_steps"), donate_argnames=("state", "out"),
-                   keep_unused=True)  # keep `out`: jit prunes unused arguments, and with them the donation
+@functools.partial(jax.jit, static_argnames=("cfg", "impl", "num_steps", "sampler"),
+                   donate_argnames=("state", "out"), keep_unused=True)  # keep `out`: jit prunes unused arguments
 def decode_burst(params: Params, state: KVState, out: jax.Array, last: jax.Array, active: jax.Array,
                  limits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
-                 cfg: FlintConfig, impl: str = "xla", num_steps: int = 1):
+                 cfg: FlintConfig, impl: str = "xla", num_steps: int = 1, sampler: str = "sort"):
     """`decode_steps` with its per-burst inputs and its output in two device buffers of shape [num_steps + 1, B]
     int32 that take turns, so that a decode loop's bursts keep their arguments at fixed device addresses.
 
@@ -134,7 +155,7 @@ def decode_burst(params: Params, state: KVState, out: jax.Array, last: jax.Array
     del out  # donated so that the result takes its place
     tokens, generated = last[num_steps - 1], last[num_steps]
     burst, state = decode_steps(params, state, tokens, active, limits, keys, generated, temperature, top_k, top_p,
-                                cfg=cfg, impl=impl, num_steps=num_steps)
+                                cfg=cfg, impl=impl, num_steps=num_steps, sampler=sampler)
     return jnp.concatenate([burst, (generated + num_steps)[None]]), state
 
 
@@ -337,7 +358,9 @@ class Engine:
             # The state holds prompt + generated - 1 tokens; the request's last token is its max_tokens-th, sampled
             # by the step that writes position prompt + max_tokens - 2, so no step may start at this length.
             limits[b] = len(s.prompt) + s.sampling.max_tokens - 1
-        fixed = [jnp.asarray(a) for a in (active, limits, *self._settings(slots, rows))]
+        settings = self._settings(slots, rows)
+        sampler = decode_sampler(self.impl, [(settings[0][b], settings[1][b]) for b in rows])
+        fixed = [jnp.asarray(a) for a in (active, limits, *settings)]
         buffers = [jnp.zeros((n + 1, B), jnp.int32), jnp.asarray(burst_buffer(tokens, generated, n))]
         turn = 0
 
@@ -346,7 +369,7 @@ class Engine:
             p = turn % 2
             buffers[p], self.state = decode_burst(self.params, self.state, buffers[p], buffers[1 - p], fixed[0],
                                                   fixed[1], self.keys, *fixed[2:], cfg=self.cfg, impl=self.impl,
-                                                  num_steps=n)
+                                                  num_steps=n, sampler=sampler)
             turn += 1
             return buffers[p]
 

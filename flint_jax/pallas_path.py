@@ -150,6 +150,19 @@ def lm_logits(params, h, cfg):
     return out.reshape(*lead, -1)
 
 
+# Decode steps of the Pallas path sample with the top-k kernels (pallas_kernels/top_k_sampling.py) instead of sorting
+# the vocabulary, when every row allows it (greedy, or 1 <= top_k <= K_MAX: Flint's default top_k is 20); the
+# engine and the benchmarks choose per call (`engine.decode_sampler`). A knob so the whole step can time both
+# (scripts/profile_decode.py variant `sort_sampling`).
+TOP_K_SAMPLING = True
+
+
+def sample_top_k(logits, keys, temperature, top_k, top_p):
+    """`sampling.sample` for rows that `top_k_sampling.supports`, by the top-k kernels."""
+    from flint_jax.pallas_kernels import top_k_sampling
+    return top_k_sampling.sample_top_k(logits, keys, temperature, top_k, top_p, interpret=_interpret())
+
+
 def blocks(T: int):
     """The (attention, mlp) halves for chunks of T tokens."""
     from flint_jax.model import Blocks, attention_block

@@ -133,7 +133,7 @@ def make_steps(cfg: FlintConfig, impl: str):
         state = dataclasses.replace(state, lengths=lengths)
         B = tokens.shape[0]
         return E.decode(params, state, tokens, jnp.ones(B, bool), keys, jnp.ones(B), jnp.full((B,), 20, jnp.int32),
-                        jnp.full((B,), 0.95), cfg=cfg, impl=impl)
+                        jnp.full((B,), 0.95), cfg=cfg, impl=impl, sampler=E.decode_sampler(impl, [(1.0, 20)] * B))
     return forward, served
 
 
@@ -146,7 +146,8 @@ def make_burst(cfg: FlintConfig, impl: str, num_steps: int):
         B = tokens.shape[0]
         out, state = E.decode_steps(params, state, tokens, jnp.ones(B, bool), jnp.full((B,), 1 << 30, jnp.int32),
                                     keys, jnp.zeros(B, jnp.int32), jnp.ones(B), jnp.full((B,), 20, jnp.int32),
-                                    jnp.full((B,), 0.95), cfg=cfg, impl=impl, num_steps=num_steps)
+                                    jnp.full((B,), 0.95), cfg=cfg, impl=impl, num_steps=num_steps,
+                                    sampler=E.decode_sampler(impl, [(1.0, 20)] * B))
         return out, state
     return burst
 
