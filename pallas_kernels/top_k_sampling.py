@@ -28,6 +28,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from flint_jax.pallas_kernels.weight_tiles import pow2_rows
+
 F32 = jnp.float32
 NEG_INF = float("-inf")
 
@@ -39,10 +41,6 @@ PARTIAL_WARPS, FINAL_WARPS = 4, 8
 def supports(top_k: int, temperature: float) -> bool:
     """Whether a row with these settings can be sampled by the kernels (host-side check, per request)."""
     return temperature <= 0 or 1 <= top_k <= K_MAX
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def _partial_kernel(logits_ref, temp_ref, k_ref, vals_ref, ids_ref, *, V: int, chunk: int, kmax: int):
@@ -95,6 +93,11 @@ def _final_kernel(vals_ref, ids_ref, noise_ref, k_ref, greedy_ref, top_p_ref, to
     plgpu.store(tok_ref.at[pl.ds(b, 1)], jnp.broadcast_to(tok, (1,)))
 
 
+def _gumbel_noise(keys, V: int):
+    """[B, V] f32: each row's noise, the one `jax.random.categorical(key, logits)` adds to its logits."""
+    return jax.vmap(lambda key: jax.random.gumbel(key, (V,), F32))(keys)
+
+
 def _row_settings(temperature, top_k):
     """(temperature to divide by, rounds k, greedy flag) per row: a greedy row (temperature 0) takes one round."""
     greedy = temperature <= 0
@@ -120,10 +123,10 @@ def sample_top_k(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top
         interpret=interpret,
         name="top_k_partial",
     )(logits.astype(F32), t, k)
-    noise = jax.vmap(lambda key: jax.random.gumbel(key, (V,), F32))(keys)
+    noise = _gumbel_noise(keys, V)
     n = chunks * K_MAX
     tok = pl.pallas_call(
-        functools.partial(_final_kernel, n=n, n_pad=_pow2(n), kmax=K_MAX),
+        functools.partial(_final_kernel, n=n, n_pad=pow2_rows(n), kmax=K_MAX),
         out_shape=jax.ShapeDtypeStruct((B,), jnp.int32),
         grid=(B,),
         compiler_params=plgpu.CompilerParams(num_warps=FINAL_WARPS, num_stages=1),
@@ -148,7 +151,7 @@ def ref_sample_top_k(logits: jax.Array, keys: jax.Array, temperature: jax.Array,
     probs = e / jnp.sum(e, axis=1, keepdims=True)
     above = jnp.sum(jnp.where(slot[None, None, :] < slot[None, :, None], probs[:, None, :], 0.0), axis=2)
     keep = valid & (above < top_p[:, None])
-    noise = jax.vmap(lambda key: jax.random.gumbel(key, (V,), F32))(keys)
+    noise = _gumbel_noise(keys, V)
     score = jnp.where(keep, vals + jnp.take_along_axis(noise, ids, axis=1), NEG_INF)
     pick = jnp.where(greedy, 0, jnp.argmax(score, axis=1))
     return jnp.take_along_axis(ids, pick[:, None], axis=1)[:, 0].astype(jnp.int32)
