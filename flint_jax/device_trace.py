@@ -162,3 +162,47 @@ def summarize(events: list[dict], steps: int) -> dict:
             for name, d in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))]
     return {"kernel_us_per_step": total / steps, "launches_per_step": len(events) / steps, "rows": rows,
             "step_spans_ms": step_spans(events, steps)}
+
+
+def marker_periods(events: list[dict], marker: str, skip: int = 1, top: int = 12) -> dict:
+    """The device's work between consecutive launches of a kernel that runs once per step (`marker`, a substring of
+    its name: the sampler's kernel for a decode loop), for a trace that holds more than the steps (a whole
+    `Engine.generate`: prefill, then one marker per decode step). Period i runs from the end of marker i to the end
+    of marker i + 1; the first `skip` periods are dropped (the prefill's hand-over). Per period (medians): its
+    length, the kernels that start in it, their busy time (union of intervals) and the idle rest; the idle gaps by
+    the kernel that ends them and the kernel table, both per period over all the periods kept.
+    {"periods", "period_us", "kernels", "busy_us", "idle_us", "gaps": [...], "rows": [...]} or {"periods": 0}."""
+    ends = [float(e["ts"]) + float(e["dur"]) for e in events if marker in e["name"]]
+    windows = list(zip(ends, ends[1:]))[skip:]
+    if not windows:
+        return {"periods": 0}
+    lengths, counts, busy, idle = [], [], [], []
+    gaps_by_name: dict = collections.defaultdict(list)
+    inside = []
+    j = 0
+    for lo, hi in windows:
+        while j < len(events) and float(events[j]["ts"]) < lo:
+            j += 1
+        mine = []
+        while j < len(events) and float(events[j]["ts"]) < hi:
+            mine.append(events[j])
+            j += 1
+        covered, last_end = 0.0, lo
+        for start, end, e in _gaps([{"ts": lo, "dur": 0.0, "name": "(period start)"}] + mine):
+            gaps_by_name[e["name"]].append(end - start)
+        for e in mine:  # union of the kernels' intervals, clipped to the window
+            s, t = max(float(e["ts"]), last_end), min(float(e["ts"]) + float(e["dur"]), hi)
+            if t > s:
+                covered += t - s
+                last_end = t
+        lengths.append(hi - lo)
+        counts.append(len(mine))
+        busy.append(covered)
+        idle.append(hi - lo - covered)
+        inside.extend(mine)
+    n = len(windows)
+    gaps = [{"name": name, "gaps_per_period": len(g) / n, "idle_us_per_period": sum(g) / n, "mean_us": sum(g) / len(g)}
+            for name, g in sorted(gaps_by_name.items(), key=lambda kv: -sum(kv[1]))[:top]]
+    return {"periods": n, "period_us": statistics.median(lengths), "kernels": statistics.median(counts),
+            "busy_us": statistics.median(busy), "idle_us": statistics.median(idle), "gaps": gaps,
+            "rows": summarize(inside, n)["rows"][:top]}

@@ -32,6 +32,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench_decode import log  # noqa: E402
+from flint_jax import device_trace  # noqa: E402
 from flint_jax.config import FlintConfig  # noqa: E402
 from flint_jax.engine import Engine  # noqa: E402
 from flint_jax.layer_stack import StackedParams, stack_layers  # noqa: E402
@@ -55,6 +56,37 @@ def parse_variants(text: str) -> list[tuple[int, bool, str]]:
     return out
 
 
+def log_trace(t: dict, marker: str) -> None:
+    if not t["periods"]:
+        log(f"  trace: no kernel named *{marker}* twice (no device trace on a CPU, or another sampler)")
+        return
+    log(f"  trace, per decode step ({t['periods']} steps): {t['period_us']:.1f} us between {marker} launches, "
+        f"{t['kernels']:.0f} kernels, busy {t['busy_us']:.1f} us, idle {t['idle_us']:.1f} us")
+    for g in t["gaps"][:8]:
+        log(f"    idle before {g['name']}: {g['idle_us_per_period']:.1f} us per step ({g['gaps_per_period']:.2f} "
+            f"gaps of {g['mean_us']:.1f} us)")
+
+
+def trace_lines(rows: list[dict]) -> list[str]:
+    """Markdown for the traced variants: per decode step on the device, and the kernel table."""
+    out = []
+    for r in rows:
+        t = r.get("trace")
+        if not t or not t["periods"]:
+            continue
+        out += ["", f"Device trace, {r['steps_per_dispatch']} steps per dispatch, overlap "
+                    f"{'on' if r['overlap_dispatch'] else 'off'}: {t['periods']} decode steps, median "
+                    f"{t['period_us']:.1f} us per step, {t['kernels']:.0f} kernels, busy {t['busy_us']:.1f} us, "
+                    f"idle {t['idle_us']:.1f} us.", "",
+                "| idle before | gaps per step | idle us per step | mean us |", "|---|---|---|---|"]
+        out += [f"| `{g['name']}` | {g['gaps_per_period']:.2f} | {g['idle_us_per_period']:.1f} | {g['mean_us']:.1f} |"
+                for g in t["gaps"][:10]]
+        out += ["", "| kernel | per step | us per step | median us |", "|---|---|---|---|"]
+        out += [f"| `{k['name']}` | {k['per_step']:.2f} | {k['us_per_step']:.1f} | {k['median_us']:.2f} |"
+                for k in t["rows"]]
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="directory for engine.json and engine.md")
@@ -68,6 +100,13 @@ def main(argv=None) -> int:
                          "layout (per-layer variants run first; the parameters are then stacked in place; "
                          "stacked_caches also stacks the KV caches)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--trace", action="store_true",
+                    help="also run one generate per variant under the profiler and report, per decode step on the "
+                         "device (between launches of --trace-marker): kernels, busy and idle us, the idle gaps by "
+                         "the kernel that ends them (GPU only; traces under OUT/traces)")
+    ap.add_argument("--trace-marker", default="top_k_sample",
+                    help="a kernel launched once per decode step (substring of its name); default: the top-k "
+                         "sampler of the Pallas path")
     args = ap.parse_args(argv)
     # per-layer first: stacking consumes them
     variants = sorted(parse_variants(args.variants), key=lambda v: v[2] != "layers")
@@ -113,9 +152,14 @@ def main(argv=None) -> int:
                "argument_buffers": len(jax.tree.leaves(params)) + len(jax.tree.leaves(engine.state)),
                "decode_ms_per_token": statistics.median(ms),
                "decode_ms_per_token_all": ms, "ttft_s": statistics.median(ttft), "same_tokens_as_first": same}
-        rows.append(row)
         log(f"  decode {row['decode_ms_per_token']:.3f} ms/token (runs {', '.join(f'{v:.3f}' for v in ms)}), "
             f"TTFT {row['ttft_s']:.3f} s")
+        if args.trace:
+            tdir = os.path.join(args.out, "traces", f"{steps}_{'on' if overlap else 'off'}_{layout}")
+            events = device_trace.trace_kernels(lambda: engine.generate([prompt], sampling), tdir)
+            row["trace"] = device_trace.marker_periods(events, args.trace_marker, top=400)
+            log_trace(row["trace"], args.trace_marker)
+        rows.append(row)
         del engine
     report = {"device": dev.device_kind, "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"),
               "config": "tiny" if args.tiny else "flint", "weights": args.weights, "impl": args.impl,
@@ -131,6 +175,7 @@ def main(argv=None) -> int:
               f"{r['argument_buffers']} | "
               f"{r['decode_ms_per_token']:.3f} | {r['ttft_s']:.3f} | {'yes' if r['same_tokens_as_first'] else 'no'} |"
               for r in rows]
+    lines += trace_lines(rows)
     with open(os.path.join(args.out, "engine.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

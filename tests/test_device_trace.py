@@ -89,3 +89,24 @@ def test_trace_call_is_none_without_device_events():
     if jax.default_backend() != "cpu":
         pytest.skip("device events exist on this backend")
     assert device_trace.trace_call(lambda: jnp.ones(3) * 2) is None
+
+
+def test_marker_periods_split_a_generate_trace_into_decode_steps(tmp_path):
+    # write_trace's steps end with moe_down: 4 steps give 3 periods, the first dropped (skip=1). Each runs from one
+    # moe_down's end to the next's: 2 + 900 us idle before qkv_projection, 2 before attn and before moe_down, and
+    # 7.5 + 11 + 7 us of kernels
+    events = device_trace.read_kernel_events(write_trace(tmp_path, steps=4))
+    t = device_trace.marker_periods(events, "moe_down")
+    assert t["periods"] == 2
+    assert t["period_us"] == 931.5 and t["kernels"] == 3
+    assert t["busy_us"] == 25.5 and t["idle_us"] == 906.0
+    assert {g["name"]: g["idle_us_per_period"] for g in t["gaps"]} == {"qkv_projection": 902.0, "attn": 2.0,
+                                                                       "moe_down": 2.0}
+    assert [r["name"] for r in t["rows"]] == ["attn", "qkv_projection", "moe_down"]
+    assert t["rows"][0]["per_step"] == 1.0
+    # overlapping kernels count once in the busy time
+    ev = [{"name": "m", "ts": 0.0, "dur": 1.0}, {"name": "a", "ts": 2.0, "dur": 10.0},
+          {"name": "b", "ts": 5.0, "dur": 10.0}, {"name": "m", "ts": 20.0, "dur": 1.0}]
+    t = device_trace.marker_periods(ev, "m", skip=0)
+    assert t["periods"] == 1 and t["busy_us"] == 14.0 and t["idle_us"] == 6.0 and t["kernels"] == 3
+    assert device_trace.marker_periods(ev[:2], "m") == {"periods": 0}
