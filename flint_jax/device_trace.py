@@ -126,6 +126,28 @@ def step_spans(events: list[dict], steps: int) -> list[float]:
     return spans
 
 
+def busy_us(events: list[dict]) -> float:
+    """Microseconds in which at least one of `events` runs (the union of their intervals): below the sum of their
+    durations where kernels overlap, below the span where the device idles between them."""
+    total, end = 0.0, None
+    for e in sorted(events, key=lambda e: float(e["ts"])):
+        s, t = float(e["ts"]), float(e["ts"]) + float(e["dur"])
+        if end is not None and s < end:
+            s = end
+        if t > s:
+            total += t - s
+        end = t if end is None else max(end, t)
+    return total
+
+
+def step_busy_ms(events: list[dict], steps: int) -> list[float]:
+    """busy_us of each of `steps` equal-count steps, in ms."""
+    if not events or len(events) % steps:
+        return []
+    n = len(events) // steps
+    return [busy_us(events[i * n:(i + 1) * n]) / 1e3 for i in range(steps)]
+
+
 def device_ms(events: list[dict], steps: int) -> float | None:
     """Median device span of a step (ms), or None without device events."""
     spans = step_spans(events, steps)
@@ -161,7 +183,7 @@ def summarize(events: list[dict], steps: int) -> dict:
              "us_per_step": sum(d) / steps, "share": sum(d) / total if total else 0.0}
             for name, d in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))]
     return {"kernel_us_per_step": total / steps, "launches_per_step": len(events) / steps, "rows": rows,
-            "step_spans_ms": step_spans(events, steps)}
+            "step_spans_ms": step_spans(events, steps), "step_busy_ms": step_busy_ms(events, steps)}
 
 
 def marker_periods(events: list[dict], marker: str, skip: int = 1, top: int = 12) -> dict:
@@ -169,14 +191,17 @@ def marker_periods(events: list[dict], marker: str, skip: int = 1, top: int = 12
     its name: the sampler's kernel for a decode loop), for a trace that holds more than the steps (a whole
     `Engine.generate`: prefill, then one marker per decode step). Period i runs from the end of marker i to the end
     of marker i + 1; the first `skip` periods are dropped (the prefill's hand-over). Per period (medians): its
-    length, the kernels that start in it, their busy time (union of intervals) and the idle rest; the idle gaps by
-    the kernel that ends them and the kernel table, both per period over all the periods kept.
-    {"periods", "period_us", "kernels", "busy_us", "idle_us", "gaps": [...], "rows": [...]} or {"periods": 0}."""
+    length, the kernels that start in it, their busy time (union of intervals), the idle rest, and the idle time
+    before its first kernel (with one step per dispatch: the wait between two dispatches); then the idle gaps by
+    the kernel that ends them and the kernel table, both per period over all the periods kept (means: a few long
+    stalls weigh in them, not in the medians).
+    {"periods", "period_us", "kernels", "busy_us", "idle_us", "first_gap_us", "gaps": [...], "rows": [...]} or
+    {"periods": 0}."""
     ends = [float(e["ts"]) + float(e["dur"]) for e in events if marker in e["name"]]
     windows = list(zip(ends, ends[1:]))[skip:]
     if not windows:
         return {"periods": 0}
-    lengths, counts, busy, idle = [], [], [], []
+    lengths, counts, busy, idle, first = [], [], [], [], []
     gaps_by_name: dict = collections.defaultdict(list)
     inside = []
     j = 0
@@ -187,15 +212,12 @@ def marker_periods(events: list[dict], marker: str, skip: int = 1, top: int = 12
         while j < len(events) and float(events[j]["ts"]) < hi:
             mine.append(events[j])
             j += 1
-        covered, last_end = 0.0, lo
         for start, end, e in _gaps([{"ts": lo, "dur": 0.0, "name": "(period start)"}] + mine):
             gaps_by_name[e["name"]].append(end - start)
-        for e in mine:  # union of the kernels' intervals, clipped to the window
-            s, t = max(float(e["ts"]), last_end), min(float(e["ts"]) + float(e["dur"]), hi)
-            if t > s:
-                covered += t - s
-                last_end = t
+        covered = busy_us([{"ts": max(float(e["ts"]), lo), "dur": min(float(e["ts"]) + float(e["dur"]), hi)
+                            - max(float(e["ts"]), lo)} for e in mine])  # clipped to the window
         lengths.append(hi - lo)
+        first.append(max(0.0, float(mine[0]["ts"]) - lo) if mine else hi - lo)
         counts.append(len(mine))
         busy.append(covered)
         idle.append(hi - lo - covered)
@@ -204,5 +226,6 @@ def marker_periods(events: list[dict], marker: str, skip: int = 1, top: int = 12
     gaps = [{"name": name, "gaps_per_period": len(g) / n, "idle_us_per_period": sum(g) / n, "mean_us": sum(g) / len(g)}
             for name, g in sorted(gaps_by_name.items(), key=lambda kv: -sum(kv[1]))[:top]]
     return {"periods": n, "period_us": statistics.median(lengths), "kernels": statistics.median(counts),
-            "busy_us": statistics.median(busy), "idle_us": statistics.median(idle), "gaps": gaps,
+            "busy_us": statistics.median(busy), "idle_us": statistics.median(idle),
+            "first_gap_us": statistics.median(first), "gaps": gaps,
             "rows": summarize(inside, n)["rows"][:top]}

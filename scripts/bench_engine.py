@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -61,14 +62,27 @@ def log_trace(t: dict, marker: str) -> None:
         log(f"  trace: no kernel named *{marker}* twice (no device trace on a CPU, or another sampler)")
         return
     log(f"  trace, per decode step ({t['periods']} steps): {t['period_us']:.1f} us between {marker} launches, "
-        f"{t['kernels']:.0f} kernels, busy {t['busy_us']:.1f} us, idle {t['idle_us']:.1f} us")
+        f"{t['kernels']:.0f} kernels, busy {t['busy_us']:.1f} us, idle {t['idle_us']:.1f} us "
+        f"({t['first_gap_us']:.1f} before its first kernel)")
     for g in t["gaps"][:8]:
         log(f"    idle before {g['name']}: {g['idle_us_per_period']:.1f} us per step ({g['gaps_per_period']:.2f} "
             f"gaps of {g['mean_us']:.1f} us)")
 
 
+def by_kernel(entries: list[dict], count: str, us: str) -> list[tuple[str, float, float]]:
+    """Entries of a trace table summed over the instances of one kernel: XLA names the launches of one Pallas kernel
+    in a program `name`, `name__1`, `name__2`, ... -> [(name, summed count, summed us)], most us first."""
+    out: dict = {}
+    for e in entries:
+        base = re.sub(r"__\d+$", "", e["name"])
+        n, t = out.get(base, (0.0, 0.0))
+        out[base] = (n + e[count], t + e[us])
+    return sorted(((k, n, t) for k, (n, t) in out.items()), key=lambda r: -r[2])
+
+
 def trace_lines(rows: list[dict]) -> list[str]:
-    """Markdown for the traced variants: per decode step on the device, and the kernel table."""
+    """Markdown for the traced variants: per decode step on the device, the idle gaps and the kernel table, each
+    summed over a kernel's instances."""
     out = []
     for r in rows:
         t = r.get("trace")
@@ -77,14 +91,37 @@ def trace_lines(rows: list[dict]) -> list[str]:
         out += ["", f"Device trace, {r['steps_per_dispatch']} steps per dispatch, overlap "
                     f"{'on' if r['overlap_dispatch'] else 'off'}: {t['periods']} decode steps, median "
                     f"{t['period_us']:.1f} us per step, {t['kernels']:.0f} kernels, busy {t['busy_us']:.1f} us, "
-                    f"idle {t['idle_us']:.1f} us.", "",
-                "| idle before | gaps per step | idle us per step | mean us |", "|---|---|---|---|"]
-        out += [f"| `{g['name']}` | {g['gaps_per_period']:.2f} | {g['idle_us_per_period']:.1f} | {g['mean_us']:.1f} |"
-                for g in t["gaps"][:10]]
-        out += ["", "| kernel | per step | us per step | median us |", "|---|---|---|---|"]
-        out += [f"| `{k['name']}` | {k['per_step']:.2f} | {k['us_per_step']:.1f} | {k['median_us']:.2f} |"
-                for k in t["rows"]]
+                    f"idle {t['idle_us']:.1f} us, of which {t.get('first_gap_us', float('nan')):.1f} before the step's first "
+                    f"kernel (medians); per step over all steps (means):", "",
+                "| idle before | gaps per step | idle us per step |", "|---|---|---|"]
+        out += [f"| `{name}` | {n:.2f} | {us:.1f} |"
+                for name, n, us in by_kernel(t["gaps"], "gaps_per_period", "idle_us_per_period")[:10]]
+        out += ["", "| kernel | launches per step | us per step |", "|---|---|---|"]
+        out += [f"| `{name}` | {n:.2f} | {us:.1f} |" for name, n, us in by_kernel(t["rows"], "per_step", "us_per_step")]
     return out
+
+
+def write_report(args, dev, rows: list[dict]) -> list[str]:
+    """engine.json and engine.md under args.out (rewritten after every variant, so a run stopped by a time limit keeps
+    what it measured); returns the Markdown lines."""
+    report = {"device": dev.device_kind, "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"),
+              "config": "tiny" if args.tiny else "flint", "weights": args.weights, "impl": args.impl,
+              "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "rows": rows}
+    with open(os.path.join(args.out, "engine.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    lines = [f"Engine.generate, batch 1, {args.weights}/{args.impl}, prompt {args.prompt_tokens} tokens, "
+             f"{args.new_tokens} new tokens, {report['config']} config, {dev.device_kind}, {report['date']}.", "",
+             "| steps per dispatch | overlap_dispatch | parameters | argument buffers | decode ms/token (wall) "
+             "| TTFT s | tokens as the first row |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['steps_per_dispatch']} | {'on' if r['overlap_dispatch'] else 'off'} | {r['layout']} | "
+              f"{r['argument_buffers']} | "
+              f"{r['decode_ms_per_token']:.3f} | {r['ttft_s']:.3f} | {'yes' if r['same_tokens_as_first'] else 'no'} |"
+              for r in rows]
+    lines += trace_lines(rows)
+    with open(os.path.join(args.out, "engine.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return lines
 
 
 def main(argv=None) -> int:
@@ -157,28 +194,12 @@ def main(argv=None) -> int:
         if args.trace:
             tdir = os.path.join(args.out, "traces", f"{steps}_{'on' if overlap else 'off'}_{layout}")
             events = device_trace.trace_kernels(lambda: engine.generate([prompt], sampling), tdir)
-            row["trace"] = device_trace.marker_periods(events, args.trace_marker, top=400)
+            row["trace"] = device_trace.marker_periods(events, args.trace_marker, top=1000)
             log_trace(row["trace"], args.trace_marker)
         rows.append(row)
         del engine
-    report = {"device": dev.device_kind, "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"),
-              "config": "tiny" if args.tiny else "flint", "weights": args.weights, "impl": args.impl,
-              "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "rows": rows}
-    with open(os.path.join(args.out, "engine.json"), "w") as f:
-        json.dump(report, f, indent=1)
-    lines = [f"Engine.generate, batch 1, {args.weights}/{args.impl}, prompt {args.prompt_tokens} tokens, "
-             f"{args.new_tokens} new tokens, {report['config']} config, {dev.device_kind}, {report['date']}.", "",
-             "| steps per dispatch | overlap_dispatch | parameters | argument buffers | decode ms/token (wall) "
-             "| TTFT s | tokens as the first row |",
-             "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['steps_per_dispatch']} | {'on' if r['overlap_dispatch'] else 'off'} | {r['layout']} | "
-              f"{r['argument_buffers']} | "
-              f"{r['decode_ms_per_token']:.3f} | {r['ttft_s']:.3f} | {'yes' if r['same_tokens_as_first'] else 'no'} |"
-              for r in rows]
-    lines += trace_lines(rows)
-    with open(os.path.join(args.out, "engine.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+        write_report(args, dev, rows)
+    print("\n".join(write_report(args, dev, rows)))
     return 0
 
 

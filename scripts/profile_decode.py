@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -186,7 +187,12 @@ def main(argv=None) -> int:
                 log(f"{tag}: no device events in the trace")
             s.update(weights=weights, impl=impl, variant=vname, step_ms=ms, device_ms=dev, kernels=kernels)
             report["runs"].append(s)
-            dev_txt = f"{dev:.3f} ms on the device" if dev is not None else "no device trace"
+            busy = statistics.median(s["step_busy_ms"]) if s["step_busy_ms"] else None
+            s["busy_ms"] = busy
+            # span (first kernel's start to last kernel's end) and busy (time with a kernel running) differ where
+            # kernels overlap or the device idles inside the step
+            dev_txt = (f"{dev:.3f} ms on the device (span; {busy:.3f} ms with a kernel running)" if dev is not None
+                       else "no device trace")
             md += [f"## {tag}: {dev_txt} per step ({ms:.3f} ms wall clock), {kernels} kernel-launching ops in the "
                    f"program; trace: {s['launches_per_step']:.0f} kernels per step, {s['kernel_us_per_step']:.0f} us "
                    f"of kernel time per step", "",

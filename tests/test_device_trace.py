@@ -40,6 +40,14 @@ def test_reads_stream_kernels_and_step_spans(tmp_path):
     table = device_trace.summarize(events, 3)
     assert table["launches_per_step"] == 3
     assert table["rows"][0]["name"] == "attn" and table["rows"][0]["us_per_step"] == 11.0
+    assert table["step_busy_ms"] == [0.0255] * 3  # the kernels' 25.5 us; the 2 us launch gaps are idle
+
+
+def test_busy_counts_overlapping_kernels_once():
+    ev = [{"ts": 0.0, "dur": 10.0}, {"ts": 5.0, "dur": 20.0}, {"ts": 12.0, "dur": 1.0}, {"ts": 30.0, "dur": 1.0}]
+    assert device_trace.busy_us(ev) == 26.0  # 0..25 and 30..31
+    assert device_trace.busy_us(list(reversed(ev))) == 26.0
+    assert device_trace.busy_us([]) == 0.0
 
 
 def test_idle_gaps_are_attributed_to_the_kernel_that_ends_them(tmp_path):
@@ -99,7 +107,7 @@ def test_marker_periods_split_a_generate_trace_into_decode_steps(tmp_path):
     t = device_trace.marker_periods(events, "moe_down")
     assert t["periods"] == 2
     assert t["period_us"] == 931.5 and t["kernels"] == 3
-    assert t["busy_us"] == 25.5 and t["idle_us"] == 906.0
+    assert t["busy_us"] == 25.5 and t["idle_us"] == 906.0 and t["first_gap_us"] == 902.0
     assert {g["name"]: g["idle_us_per_period"] for g in t["gaps"]} == {"qkv_projection": 902.0, "attn": 2.0,
                                                                        "moe_down": 2.0}
     assert [r["name"] for r in t["rows"]] == ["attn", "qkv_projection", "moe_down"]
@@ -109,4 +117,5 @@ def test_marker_periods_split_a_generate_trace_into_decode_steps(tmp_path):
           {"name": "b", "ts": 5.0, "dur": 10.0}, {"name": "m", "ts": 20.0, "dur": 1.0}]
     t = device_trace.marker_periods(ev, "m", skip=0)
     assert t["periods"] == 1 and t["busy_us"] == 14.0 and t["idle_us"] == 6.0 and t["kernels"] == 3
+    assert t["first_gap_us"] == 1.0
     assert device_trace.marker_periods(ev[:2], "m") == {"periods": 0}
