@@ -188,7 +188,8 @@ def main(argv=None) -> int:
         row = {"steps_per_dispatch": steps, "overlap_dispatch": overlap, "layout": layout,
                "argument_buffers": len(jax.tree.leaves(params)) + len(jax.tree.leaves(engine.state)),
                "decode_ms_per_token": statistics.median(ms),
-               "decode_ms_per_token_all": ms, "ttft_s": statistics.median(ttft), "same_tokens_as_first": same}
+               "decode_ms_per_token_all": ms, "ttft_s": statistics.median(ttft), "same_tokens_as_first": same,
+               "tokens": tokens_seen}
         log(f"  decode {row['decode_ms_per_token']:.3f} ms/token (runs {', '.join(f'{v:.3f}' for v in ms)}), "
             f"TTFT {row['ttft_s']:.3f} s")
         if args.trace:
