@@ -189,7 +189,7 @@ def main(argv=None) -> int:
                "argument_buffers": len(jax.tree.leaves(params)) + len(jax.tree.leaves(engine.state)),
                "decode_ms_per_token": statistics.median(ms),
                "decode_ms_per_token_all": ms, "ttft_s": statistics.median(ttft), "same_tokens_as_first": same,
-               "tokens": tokens_seen}
+               "tokens": done.tokens}
         log(f"  decode {row['decode_ms_per_token']:.3f} ms/token (runs {', '.join(f'{v:.3f}' for v in ms)}), "
             f"TTFT {row['ttft_s']:.3f} s")
         if args.trace:
