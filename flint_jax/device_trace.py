@@ -10,6 +10,8 @@ profiler and reads the GPU kernel events back from the Perfetto trace:
     table = summarize(events, steps=5)        # per kernel name: launches, mean/total us per step
     table = trace_call(lambda: step_n_times(), steps=5)   # both in one, in a temporary directory
     gaps = idle_gaps(events, steps=5)          # device idle time inside steps, by the kernel that ends each gap
+    busy = step_busy_ms(events, steps=5)     # per step: time with at least one kernel running (ms)
+    per_token = marker_periods(events, "top_k_sample")   # a whole generate: the device's work per decode step
     gap = longest_gap(events)                  # (start, end) of the longest idle stretch between kernels
     host = host_activity(read_host_events(trace_dir), *gap)   # what the host did meanwhile, by event name
 
@@ -113,17 +115,18 @@ def trace_call(run: Callable[[], object], steps: int = 1) -> dict | None:
     return summarize(events, steps) if events else None
 
 
-def step_spans(events: list[dict], steps: int) -> list[float]:
-    """Milliseconds from the first kernel's start to the last kernel's end of each of `steps` equal-count steps."""
+def split_steps(events: list[dict], steps: int) -> list[list[dict]]:
+    """The events of `steps` equal-count steps (every step launches the same kernels); [] if they do not divide."""
     if not events or len(events) % steps:
         return []
     n = len(events) // steps
-    spans = []
-    for i in range(steps):
-        s = events[i * n:(i + 1) * n]
-        end = max(float(e["ts"]) + float(e["dur"]) for e in s)
-        spans.append((end - float(s[0]["ts"])) / 1e3)
-    return spans
+    return [events[i * n:(i + 1) * n] for i in range(steps)]
+
+
+def step_spans(events: list[dict], steps: int) -> list[float]:
+    """Milliseconds from the first kernel's start to the last kernel's end of each of `steps` equal-count steps."""
+    return [(max(float(e["ts"]) + float(e["dur"]) for e in s) - float(s[0]["ts"])) / 1e3
+            for s in split_steps(events, steps)]
 
 
 def busy_us(events: list[dict]) -> float:
@@ -142,10 +145,7 @@ def busy_us(events: list[dict]) -> float:
 
 def step_busy_ms(events: list[dict], steps: int) -> list[float]:
     """busy_us of each of `steps` equal-count steps, in ms."""
-    if not events or len(events) % steps:
-        return []
-    n = len(events) // steps
-    return [busy_us(events[i * n:(i + 1) * n]) / 1e3 for i in range(steps)]
+    return [busy_us(s) / 1e3 for s in split_steps(events, steps)]
 
 
 def device_ms(events: list[dict], steps: int) -> float | None:
@@ -159,12 +159,12 @@ def idle_gaps(events: list[dict], steps: int, top: int = 15) -> dict:
     latest end of any earlier kernel to its start; overlapping kernels leave no gap). Gaps between steps (the host)
     are not counted. {"idle_us_per_step", "rows": [{"name", "gaps_per_step", "idle_us_per_step", "mean_us"}]}
     (the `top` names with the most idle time)."""
-    if not events or len(events) % steps:
+    groups = split_steps(events, steps)
+    if not groups:
         return {"idle_us_per_step": 0.0, "rows": []}
-    n = len(events) // steps
     by_name = collections.defaultdict(list)
-    for i in range(steps):
-        for start, end, e in _gaps(events[i * n:(i + 1) * n]):
+    for group in groups:
+        for start, end, e in _gaps(group):
             by_name[e["name"]].append(end - start)
     total = sum(sum(g) for g in by_name.values())
     rows = [{"name": name, "gaps_per_step": len(g) / steps, "idle_us_per_step": sum(g) / steps,
