@@ -132,15 +132,11 @@ def step_spans(events: list[dict], steps: int) -> list[float]:
 def busy_us(events: list[dict]) -> float:
     """Microseconds in which at least one of `events` runs (the union of their intervals): below the sum of their
     durations where kernels overlap, below the span where the device idles between them."""
-    total, end = 0.0, None
-    for e in sorted(events, key=lambda e: float(e["ts"])):
-        s, t = float(e["ts"]), float(e["ts"]) + float(e["dur"])
-        if end is not None and s < end:
-            s = end
-        if t > s:
-            total += t - s
-        end = t if end is None else max(end, t)
-    return total
+    if not events:
+        return 0.0
+    events = sorted(events, key=lambda e: float(e["ts"]))
+    span = max(float(e["ts"]) + float(e["dur"]) for e in events) - float(events[0]["ts"])
+    return span - sum(end - start for start, end, _ in _gaps(events))
 
 
 def step_busy_ms(events: list[dict], steps: int) -> list[float]:

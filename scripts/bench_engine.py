@@ -57,14 +57,18 @@ def parse_variants(text: str) -> list[tuple[int, bool, str]]:
     return out
 
 
-def log_trace(t: dict, marker: str) -> None:
+def trace_summary(t: dict, marker: str) -> str:
+    """One line on a variant's traced decode steps (device_trace.marker_periods)."""
     if not t["periods"]:
-        log(f"  trace: no kernel named *{marker}* twice (no device trace on a CPU, or another sampler)")
-        return
-    log(f"  trace, per decode step ({t['periods']} steps): {t['period_us']:.1f} us between {marker} launches, "
-        f"{t['kernels']:.0f} kernels, busy {t['busy_us']:.1f} us, idle {t['idle_us']:.1f} us "
-        f"({t['first_gap_us']:.1f} before its first kernel)")
-    for g in t["gaps"][:8]:
+        return f"no kernel named *{marker}* twice in the trace (no device trace on a CPU, or another sampler)"
+    return (f"{t['periods']} decode steps, median {t['period_us']:.1f} us per step between {marker} launches, "
+            f"{t['kernels']:.0f} kernels, busy {t['busy_us']:.1f} us, idle {t['idle_us']:.1f} us, of which "
+            f"{t['first_gap_us']:.1f} before the step's first kernel (medians)")
+
+
+def log_trace(t: dict, marker: str) -> None:
+    log(f"  trace: {trace_summary(t, marker)}")
+    for g in t.get("gaps", [])[:8]:
         log(f"    idle before {g['name']}: {g['idle_us_per_period']:.1f} us per step ({g['gaps_per_period']:.2f} "
             f"gaps of {g['mean_us']:.1f} us)")
 
@@ -80,7 +84,7 @@ def by_kernel(entries: list[dict], count: str, us: str) -> list[tuple[str, float
     return sorted(((k, n, t) for k, (n, t) in out.items()), key=lambda r: -r[2])
 
 
-def trace_lines(rows: list[dict]) -> list[str]:
+def trace_lines(rows: list[dict], marker: str) -> list[str]:
     """Markdown for the traced variants: per decode step on the device, the idle gaps and the kernel table, each
     summed over a kernel's instances."""
     out = []
@@ -89,10 +93,8 @@ def trace_lines(rows: list[dict]) -> list[str]:
         if not t or not t["periods"]:
             continue
         out += ["", f"Device trace, {r['steps_per_dispatch']} steps per dispatch, overlap "
-                    f"{'on' if r['overlap_dispatch'] else 'off'}: {t['periods']} decode steps, median "
-                    f"{t['period_us']:.1f} us per step, {t['kernels']:.0f} kernels, busy {t['busy_us']:.1f} us, "
-                    f"idle {t['idle_us']:.1f} us, of which {t.get('first_gap_us', float('nan')):.1f} before the step's first "
-                    f"kernel (medians); per step over all steps (means):", "",
+                    f"{'on' if r['overlap_dispatch'] else 'off'}: {trace_summary(t, marker)}; per step over all "
+                    f"steps (means):", "",
                 "| idle before | gaps per step | idle us per step |", "|---|---|---|"]
         out += [f"| `{name}` | {n:.2f} | {us:.1f} |"
                 for name, n, us in by_kernel(t["gaps"], "gaps_per_period", "idle_us_per_period")[:10]]
@@ -118,7 +120,7 @@ def write_report(args, dev, rows: list[dict]) -> list[str]:
               f"{r['argument_buffers']} | "
               f"{r['decode_ms_per_token']:.3f} | {r['ttft_s']:.3f} | {'yes' if r['same_tokens_as_first'] else 'no'} |"
               for r in rows]
-    lines += trace_lines(rows)
+    lines += trace_lines(rows, args.trace_marker)
     with open(os.path.join(args.out, "engine.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     return lines
