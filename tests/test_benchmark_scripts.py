@@ -64,6 +64,16 @@ def test_bench_engine_tiny(tmp_path):
     assert "| 3 | on | stacked |" in out
 
 
+def test_bench_engine_trace_on_the_cpu_reports_no_device_trace(tmp_path):
+    """--trace runs one more generate under the profiler; on the CPU the trace has no kernels, which is said, not
+    an error (the tables themselves are device_trace.marker_periods', tested in test_device_trace.py)."""
+    out = run_script("bench_engine.py", "--tiny", "--out", str(tmp_path), "--variants", "1:on:stacked_caches",
+                     "--repeats", "1", "--new-tokens", "4", "--trace")
+    rows = json.loads((tmp_path / "engine.json").read_text())["rows"]
+    assert rows[0]["trace"] == {"periods": 0} and len(rows[0]["tokens"]) == 4
+    assert "| 1 | on | stacked_caches |" in out
+
+
 def test_bench_engine_rejects_bad_variant(tmp_path):
     p = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_engine.py"), "--tiny", "--out",
                         str(tmp_path), "--variants", "4:maybe"], capture_output=True, text=True, timeout=300, cwd=ROOT)
