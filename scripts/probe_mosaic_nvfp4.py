@@ -1,0 +1,415 @@
+"""Probe: a batch-1 NVFP4 GEMV as a Mosaic GPU kernel with a packed in-register decode, against the Triton `gemv`.
+
+Run AC (docs/BENCHMARKS.md) built the first Mosaic GPU NVFP4 GEMV from Pallas array ops: Mosaic's layout inference
+kept the code tile in 2-element vectors widened to i32, ~15 integer ops per value, 63 us for the O projection
+against 4.4 us in Triton. This probe writes the decode by hand (`plgpu.inline_mgpu`: registers and PTX), so that
+each value costs ~3 instructions and the tensor cores do the multiply-adds:
+
+  A (wgmma's left operand, in registers)  64 rows = R output rows x Q K-segments; each bf16x2 register is one code
+      byte, its two nibbles (planar halves: values k and k + K/2) decoded and multiplied by their two block scales,
+      exactly E2M1 x E4M3 x 2^-63 in BF16 (bfe, 2 integer multiplies, and, and, or, one bf16x2 multiply).
+  B (shared memory, TMA)                  x, times 2^63, one column per K-segment (16 columns, Q used): row (n, q) of
+      A against column q is segment q's partial dot product of output row n.
+  epilogue                                out[n] = bf16(sum_q acc[(n, q), q] * global_scale).
+
+The decode's order of K inside a tile follows wgmma's register fragment, so the weight bytes, the scales and x are
+laid out for it beforehand (`mosaic_layout`, `x_columns`; a converter would write the weights this way, and the
+producer of x could write its columns). One program per R output rows streams R x K/2 code bytes through a TMA
+pipeline; no split-K partial sums leave the kernel.
+
+    python scripts/probe_mosaic_nvfp4.py --out $OUT/nvfp4          # on the GPU: check against layers.linear, time
+    python scripts/probe_mosaic_nvfp4.py --out /tmp/n --lower-only # CPU: lower the kernel for CUDA
+
+tests/test_mosaic_nvfp4_probe.py checks the layouts on the CPU with `emulate` (the kernel's per-thread arithmetic in
+NumPy, bit for bit); `inline_mgpu` has no interpreter, so the kernel itself runs only on the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import flint_jax  # noqa: E402,F401  (XLA flags first)
+from flint_jax import device_trace, nvfp4, pallas_path  # noqa: E402
+from flint_jax import layers as L  # noqa: E402
+from flint_jax.pallas_kernels import gemv as triton_gemv  # noqa: E402
+
+Q = 4  # default K segments per output row; A has R * Q = 64 rows (wgmma's M), so R = 64 // Q output rows per program
+COLS = 16  # wgmma's N: x's segment columns (Q used)
+STEP_BYTES = 64  # code bytes per A row per pipeline step: 128 wgmma K positions
+X_SHIFT = 63  # x is scaled by 2^63 and the scales by 2^63; the decoded code is E2M1 x 2^-126 (see DECODE_PTX)
+SHAPES = {"o_proj": (2048, 4096), "qkv": (5120, 2048)}
+
+# Byte `k` of word $1 -> bf16x2 [E2M1(low nibble), E2M1(high nibble)] x E4M3 pair $2 (both x 2^63).
+# b * 0x00040040 moves the low nibble's magnitude bits 0-2 to 6-8 and the high nibble's 4-6 to 22-24 (no carries
+# between the two terms); b * 0x01001000 moves the signs (bits 3, 7) to 15 and 31. The bf16 pattern
+# (m << 6 | s << 15) is E2M1 x 2^-126 (code 1, 0.5, is the subnormal 2^-127), and the bf16x2 multiply by
+# E4M3 x 2^63 makes it E2M1 x E4M3 x 2^-63: exact (6 significant bits, exponents inside BF16's normal range).
+DECODE_PTX = """{{
+.reg .b32 b, x, y;
+bfe.u32 b, $1, {shift}, 8;
+mul.lo.u32 x, b, 0x00040040;
+and.b32 x, x, 0x01C001C0;
+mul.lo.u32 y, b, 0x01001000;
+and.b32 y, y, 0x80008000;
+or.b32 x, x, y;
+mul.rn.bf16x2 $0, x, $2;
+}}"""
+# Two E4M3 bytes (low: the low nibbles' group, high: the high nibbles') -> bf16x2 of each x 2^63, exactly.
+SCALE_PTX = """{
+.reg .b32 h;
+.reg .b16 lo, hi;
+.reg .f32 flo, fhi;
+cvt.rn.f16x2.e4m3x2 h, $1;
+mov.b32 {lo, hi}, h;
+cvt.f32.f16 flo, lo;
+cvt.f32.f16 fhi, hi;
+mul.rn.f32 flo, flo, 0f5F000000;
+mul.rn.f32 fhi, fhi, 0f5F000000;
+cvt.rn.bf16x2.f32 $0, fhi, flo;
+}"""
+
+
+def _dims(N: int, K: int, q: int) -> tuple[int, int]:
+    """(programs, pipeline steps) for a weight [N, K] in q K-segments."""
+    if q not in (1, 2, 4, 8, 16):
+        raise ValueError(f"K segments q={q}: must be a power of two <= {COLS}")
+    r = 64 // q
+    if N % r or K % (2 * q * STEP_BYTES):
+        raise ValueError(f"NVFP4 weight [{N}, {K}]: needs N % {r} == 0 and K % {2 * q * STEP_BYTES} == 0 (q={q})")
+    return N // r, K // 2 // q // STEP_BYTES
+
+
+def mosaic_layout(w: nvfp4.NVFP4Weight, q: int = Q, sub: int = 1) -> tuple[jax.Array, jax.Array]:
+    """The kernel's weight layout (what a converter would write): per (program i, step t) a [64, 64] code tile, row
+    m = n * q + s holding bytes s * K/(2q) + 64 t + [0, 64) of output row i * R + n (R = 64 / q), and 512 scale bytes
+    ordered (n, s, j, e): the scale of group e * K/32 + s * K/(32q) + 4 t + j (j: the thread's 16 bytes of the row;
+    e: the low or high nibbles). Returns (codes [N/R * steps * 64, 64], scales [N/R * steps * 2, 256]) uint8.
+    sub > 1 puts `sub` consecutive steps' code tiles side by side: codes [N/R * steps/sub * 64, 64 sub]."""
+    N, half = w.codes.shape
+    progs, steps = _dims(N, 2 * half, q)
+    r = 64 // q
+    codes = w.codes.reshape(progs, r, q, steps, STEP_BYTES).transpose(0, 3, 1, 2, 4)
+    sb = lax.bitcast_convert_type(w.scales, jnp.uint8).reshape(progs, r, 2, q, steps, 4)  # [i, n, e, s, t, j]
+    scales = sb.transpose(0, 4, 1, 3, 5, 2)  # [i, t, n, q, j, e]
+    if steps % sub:
+        raise ValueError(f"{steps} steps of {STEP_BYTES} code bytes do not group by sub={sub}")
+    codes = codes.reshape(progs, steps // sub, sub, 64, STEP_BYTES).transpose(0, 1, 3, 2, 4)
+    return codes.reshape(progs * steps // sub * 64, sub * STEP_BYTES), scales.reshape(progs * steps * 2, 256)
+
+
+def x_columns(x: jax.Array, q: int = Q) -> jax.Array:
+    """x [1, K] -> B^T [16, K/q] BF16: row s is segment s of x times 2^63, in the order of the decoded A columns:
+    position t * 128 + 8 c + 2 j + e holds x[e * K/2 + s * K/(2q) + 64 t + 16 j + c]. Rows s >= q are zero."""
+    K = x.shape[-1]
+    steps = K // 2 // q // STEP_BYTES
+    xs = (x.reshape(K).astype(jnp.float32) * 2.0 ** X_SHIFT).astype(jnp.bfloat16)
+    xv = xs.reshape(2, q, steps, 4, 16)  # [e, s, t, j, c]
+    cols = xv.transpose(1, 2, 4, 3, 0).reshape(q, K // q)  # [s, (t, c, j, e)]
+    return jnp.zeros((COLS, K // q), jnp.bfloat16).at[:q].set(cols)
+
+
+def _decode_tile(ctx, c_ref, s_ref, *, skip: bool = False):
+    """inline_mgpu body: the [64, 128] BF16 A tile of one pipeline step, in wgmma's register layout.
+    skip: zeros instead (a diagnostic: the kernel's cost without the decode; the TMA traffic stays)."""
+    del ctx
+    import jax.experimental.mosaic.gpu as mgpu  # noqa: PLC0415  (GPU lowering only)
+    from jax._src.lib.mlir import ir  # noqa: PLC0415
+    from jax._src.lib.mlir.dialects import arith, vector  # noqa: PLC0415
+    from jax.experimental.mosaic.gpu import utils as mu  # noqa: PLC0415
+
+    i32, i16, i8 = (ir.IntegerType.get_signless(w) for w in (32, 16, 8))
+    bf16 = ir.BF16Type.get()
+    index = ir.IndexType.get()
+
+    def ci(v):
+        return arith.constant(i32, v)
+
+    def idx(v):
+        return arith.index_cast(index, v)
+
+    tid = arith.remui(mu.thread_idx(), ci(128))
+    lane, warp = arith.remui(tid, ci(32)), arith.divui(tid, ci(32))
+    j = arith.remui(lane, ci(4))
+    row0 = arith.addi(arith.muli(warp, ci(16)), arith.divui(lane, ci(4)))
+    layout = mgpu.WGMMA_LAYOUT
+    if skip:
+        return mgpu.FragmentedArray.splat(arith.constant(bf16, 0.0), (64, 2 * STEP_BYTES), layout)
+    regs = np.empty(layout.registers_shape((64, 2 * STEP_BYTES)), dtype=object)
+    for h in range(2):
+        m = arith.addi(row0, ci(8 * h))
+        code_vec = vector.load(ir.VectorType.get((16,), i8), c_ref, [idx(m), idx(arith.muli(j, ci(16)))])
+        words = mu.bitcast(code_vec, ir.VectorType.get((4,), i32))
+        # scale bytes (m, j, e) at flat m * 8 + 2 j of the [2, 256] tile
+        flat = arith.addi(arith.muli(m, ci(8)), arith.muli(j, ci(2)))
+        pair = vector.load(ir.VectorType.get((2,), i8), s_ref, [idx(arith.divui(flat, ci(256))),
+                                                                idx(arith.remui(flat, ci(256)))])
+        scale = mu.inline_ptx(SCALE_PTX, mu.bitcast(pair, i16), result_types=i32)
+        for c in range(16):
+            word = vector.extract(words, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([c // 4]))
+            val = mu.inline_ptx(DECODE_PTX.format(shift=8 * (c % 4)), word, scale, result_types=i32)
+            regs[(0, c, 0, 0, h, 0, 0, 0, 0)] = mu.bitcast(val, ir.VectorType.get((2,), bf16))
+    return mgpu.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None)
+
+
+def _finish(ctx, acc, red_ref, gs_ref, o_ref, *, q: int):
+    """inline_mgpu body: out[n] = bf16(sum_s acc[n * q + s, s] * global_scale) for the program's 64/q rows."""
+    del ctx
+    from jax._src.lib.mlir import ir  # noqa: PLC0415
+    from jax._src.lib.mlir.dialects import arith, memref, scf, vector  # noqa: PLC0415
+    from jax.experimental.mosaic.gpu import utils as mu  # noqa: PLC0415
+
+    i32, f32, bf16 = ir.IntegerType.get_signless(32), ir.F32Type.get(), ir.BF16Type.get()
+    index = ir.IndexType.get()
+
+    def ci(v):
+        return arith.constant(i32, v)
+
+    def idx(v):
+        return arith.index_cast(index, v)
+
+    tid = arith.remui(mu.thread_idx(), ci(128))
+    lane, warp = arith.remui(tid, ci(32)), arith.divui(tid, ci(32))
+    j = arith.remui(lane, ci(4))
+    row0 = arith.addi(arith.muli(warp, ci(16)), arith.divui(lane, ci(4)))
+    for h in range(2):
+        m = arith.addi(row0, ci(8 * h))
+        # A row m = n * q + s wants column s: this thread holds columns 8 c8 + 2 j + e (register c8, element e)
+        s = arith.remui(m, ci(q))
+        val = None
+        for c8 in range((q + 7) // 8):
+            reg = acc.registers[(0, c8, 0, 0, h, 0, 0, 0, 0)]
+            for e in range(2):
+                el = vector.extract(reg, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([e]))
+                hit = arith.andi(arith.cmpi(arith.CmpIPredicate.eq, arith.divui(s, ci(8)), ci(c8)),
+                                 arith.cmpi(arith.CmpIPredicate.eq, arith.remui(s, ci(2)), ci(e)))
+                val = el if val is None else arith.select(hit, el, val)
+        mine = arith.cmpi(arith.CmpIPredicate.eq, j, arith.divui(arith.remui(s, ci(8)), ci(2)))
+        with mu.when(mine):
+            memref.store(val, red_ref, [idx(m)])
+    mu.warpgroup_barrier()
+    with mu.when(arith.cmpi(arith.CmpIPredicate.ult, tid, ci(64 // q))):
+        total = memref.load(red_ref, [idx(arith.muli(tid, ci(q)))])
+        for ss in range(1, q):
+            total = arith.addf(total, memref.load(red_ref, [idx(arith.addi(arith.muli(tid, ci(q)), ci(ss)))]))
+        gs = memref.load(gs_ref, [idx(ci(0))])
+        memref.store(arith.truncf(bf16, arith.mulf(total, gs)), o_ref, [idx(tid)])
+    del f32, scf
+
+
+def mosaic_gemv_nvfp4(xcols: jax.Array, codes_m: jax.Array, scales_m: jax.Array, global_scale: jax.Array, *,
+                      N: int, K: int, q: int = Q, stages: int = 4, overlap: bool = False,
+                      skip_decode: bool = False, sub: int = 1) -> jax.Array:
+    """y [N] BF16 = bf16(x W^T * global_scale) from the kernel layout (mosaic_layout, x_columns with the same q).
+    overlap: let a step's wgmma run while the next step decodes (wgmma_wait(1); x's buffer released a step late).
+    sub: 64-byte decode steps per pipeline step (bigger TMA copies; codes_m from mosaic_layout(w, q, sub))."""
+    progs, steps = _dims(N, K, q)
+    if steps % sub:
+        raise ValueError(f"{steps} steps of {STEP_BYTES} code bytes do not group by sub={sub}")
+    steps //= sub
+    r = 64 // q
+    tile_k = 2 * STEP_BYTES
+    swizzle = plgpu.find_swizzle(tile_k * 16)
+    k_major = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
+    decode = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()),
+                               return_type=plgpu.ShapeDtypeStruct((64, tile_k), jnp.bfloat16,
+                                                                  layout=plgpu.Layout.WGMMA))(
+        functools.partial(_decode_tile, skip=skip_decode))
+    finish = plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(), plgpu.RefType(),
+                                          plgpu.RefType()))(functools.partial(_finish, q=q))
+    x_spec = dict(delay_release=1) if overlap and steps > 1 else {}
+
+    @functools.partial(plgpu.kernel, out_type=jax.ShapeDtypeStruct((N,), jnp.bfloat16), grid=(progs,),
+                       grid_names=("i",), scratch_types=[plgpu.SMEM((64,), jnp.float32)])
+    def kernel(x_gmem, c_gmem, s_gmem, gs_gmem, o_gmem, red_smem):
+        i = lax.axis_index("i")
+
+        @functools.partial(pl.run_scoped, acc=plgpu.ACC((64, COLS), jnp.float32))
+        def _(acc):
+            def step(_, c_smem, s_smem, x_smem):
+                for u in range(sub):
+                    a = decode(c_smem.at[:, pl.ds(u * STEP_BYTES, STEP_BYTES)], s_smem.at[pl.ds(2 * u, 2), :])
+                    plgpu.wgmma(acc, a, x_smem.at[:, pl.ds(u * tile_k, tile_k)].transpose((1, 0)))
+                    plgpu.wgmma_wait(1 if overlap else 0)
+
+            plgpu.emit_pipeline(step, grid=(steps,), max_concurrent_steps=max(stages, 2 if x_spec else 1),
+                                in_specs=[
+                plgpu.BlockSpec((64, sub * STEP_BYTES), lambda t: (i * steps + t, 0)),
+                plgpu.BlockSpec((2 * sub, 256), lambda t: (i * steps + t, 0)),
+                plgpu.BlockSpec((COLS, sub * tile_k), lambda t: (0, t), transforms=k_major, **x_spec)],
+            )(c_gmem, s_gmem, x_gmem)
+            plgpu.wgmma_wait(0)
+            finish(acc[...], red_smem, gs_gmem, o_gmem.at[pl.ds(i * r, r)])
+
+    return kernel(xcols, codes_m, scales_m, global_scale.reshape(1).astype(jnp.float32))
+
+
+def emulate(xcols: np.ndarray, codes_m: np.ndarray, scales_m: np.ndarray, global_scale: float, N: int,
+            K: int, q: int = Q) -> np.ndarray:
+    """The kernel's arithmetic in NumPy, thread by thread: the same byte and scale addresses, the same bit decode
+    (A exact in BF16, so FP32 here), the same diagonal epilogue. FP32 sums in NumPy's order, not wgmma's."""
+    progs, steps = _dims(N, K, q)
+    r = 64 // q
+    xc = np.asarray(jnp.asarray(xcols, jnp.float32))
+    cm = np.asarray(codes_m).astype(np.uint32)
+    sm = np.asarray(scales_m).astype(np.uint8)
+    e4m3 = np.asarray(lax.bitcast_convert_type(jnp.arange(256, dtype=jnp.uint8), jnp.float8_e4m3fn)
+                      .astype(jnp.float32)).astype(np.float64)
+    out = np.zeros(N, np.float32)
+    for i in range(progs):
+        acc = np.zeros((64, COLS), np.float64)
+        for t in range(steps):
+            a = np.zeros((64, 128))
+            tile = cm[(i * steps + t) * 64:(i * steps + t + 1) * 64]
+            stile = sm[(i * steps + t) * 2:(i * steps + t + 1) * 2].reshape(-1)
+            for m in range(64):
+                for j in range(4):
+                    s_lo, s_hi = e4m3[stile[m * 8 + 2 * j]], e4m3[stile[m * 8 + 2 * j + 1]]
+                    for c in range(16):
+                        b = int(tile[m, 16 * j + c])
+                        bits = (((b * 0x00040040) & 0x01C001C0) | ((b * 0x01001000) & 0x80008000)) & 0xFFFFFFFF
+                        lo = _bf16_bits(bits & 0xFFFF) * 2.0 ** X_SHIFT * s_lo
+                        hi = _bf16_bits(bits >> 16) * 2.0 ** X_SHIFT * s_hi
+                        a[m, 8 * c + 2 * j], a[m, 8 * c + 2 * j + 1] = lo, hi
+            acc += a @ xc[:, t * 128:(t + 1) * 128].T.astype(np.float64)
+        for n in range(r):
+            out[i * r + n] = sum(acc[n * q + s, s] for s in range(q)) * global_scale
+    return np.asarray(jnp.asarray(out).astype(jnp.bfloat16).astype(jnp.float32))
+
+
+def _bf16_bits(bits: int) -> float:
+    """A 16-bit pattern read as BF16 (subnormals included), as a Python float."""
+    return float(np.frombuffer(np.uint32(bits << 16).tobytes(), np.float32)[0])
+
+
+def mosaic_linear_nvfp4(x: jax.Array, w: nvfp4.NVFP4Weight, layout=None, q: int = Q, sub: int = 1,
+                        **kw) -> jax.Array:
+    """layers.linear for one token through the kernel; `layout` = mosaic_layout(w, q, sub), precomputed."""
+    N, half = w.codes.shape
+    codes_m, scales_m = layout if layout is not None else mosaic_layout(w, q, sub)
+    y = mosaic_gemv_nvfp4(x_columns(x, q), codes_m, scales_m, w.global_scale, N=N, K=2 * half, q=q, sub=sub,
+                          **kw)
+    return y[None, :]
+
+
+def parse_variant(v: str) -> dict:
+    """'q16_st4_s2_ov_nd' -> mosaic_gemv_nvfp4 keywords: q K-segments, st pipeline depth, s sub-steps per pipeline
+    step, ov wgmma overlap, nd no decode (a diagnostic)."""
+    parts = v.split("_")
+    kw = dict(q=int(parts[0][1:]), stages=int(parts[1][2:]), sub=1, overlap="ov" in parts, skip_decode="nd" in parts)
+    for part in parts[2:]:
+        if part.startswith("s") and part[1:].isdigit():
+            kw["sub"] = int(part[1:])
+        elif part not in ("ov", "nd"):
+            raise ValueError(f"variant {v!r}: unknown part {part!r}")
+    return kw
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--layers", type=int, default=49)
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--variants", default="q4_st4,q8_st4,q16_st4,q8_st4_ov,q16_st4_ov",
+                    help="comma list of [mix_]q<K segments>_st<pipeline depth>[_s<sub>][_ov][_nd] (ov: wgmma_wait(1) "
+                         "overlap; nd: no decode, A = 0, a diagnostic; mix: odd layers run the Triton gemv)")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--trace-dir", default="/tmp/probe_mosaic_nvfp4_traces")
+    ap.add_argument("--lower-only", action="store_true")
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "probe_mosaic_nvfp4.json")
+    results: dict = {"layers": args.layers, "shapes": {}}
+    for shape in [s for s in args.shapes.split(",") if s]:
+        N, K = SHAPES[shape]
+        nbytes = N * K // 2 + N * K // 16
+        res = results["shapes"].setdefault(shape, {"N": N, "K": K, "weight_bytes": nbytes})
+        if args.lower_only:
+            w_abs = jax.eval_shape(lambda: nvfp4.random(jax.random.key(0), (N, K), 0.02))
+            for v in [v for v in args.variants.split(",") if v]:
+                kw = parse_variant(v.removeprefix("mix_"))
+                try:
+                    with pallas_path.lowering_for_gpu():
+                        text = jax.jit(functools.partial(mosaic_linear_nvfp4, **kw)).trace(
+                            jax.ShapeDtypeStruct((1, K), jnp.bfloat16), w_abs).lower(
+                            lowering_platforms=("cuda",)).as_text()
+                except ValueError as e:
+                    res[v] = {"error": str(e)}
+                    print(f"[probe_mosaic_nvfp4] {shape} {v}: {e}", flush=True)
+                    continue
+                res[v] = {"lowered_chars": len(text)}
+                print(f"[probe_mosaic_nvfp4] {shape} {v}: lowered ({len(text)} chars)", flush=True)
+            continue
+        make = jax.jit(lambda k: nvfp4.random(k, (N, K), 1 / np.sqrt(K)))
+        ws = [make(jax.random.fold_in(jax.random.key(1), layer)) for layer in range(args.layers)]
+        # a global scale that is not 1, and one negative subnormal-scaled block, in layer 0
+        s0 = ws[0].scales.astype(jnp.float32).at[0, :4].set(2.0 ** -8).at[1, 3].multiply(-1)
+        ws[0] = nvfp4.NVFP4Weight(ws[0].codes, s0.astype(ws[0].scales.dtype), jnp.float32(0.75))
+        x = jax.random.normal(jax.random.key(2), (1, K), jnp.float32).astype(jnp.bfloat16)
+        want = np.asarray(L.linear(x, ws[0]), np.float32)
+        # (prepare x once per step, per-layer call): the Mosaic kernel's x columns are built once, as the producer
+        # of x would write them, not once per layer
+        fns = {"triton": (None, lambda x: x, lambda x, w, lay, layer: triton_gemv.gemv(x, w))}
+        for v in [v for v in args.variants.split(",") if v]:
+            mix = v.startswith("mix_")  # odd layers Triton, even layers Mosaic: the two lowerings side by side
+            kw = parse_variant(v.removeprefix("mix_"))
+
+            def fn(xp, w, lay, layer, kw=kw, mix=mix):
+                if mix and layer % 2:
+                    return triton_gemv.gemv(xp[0], w)
+                return mosaic_gemv_nvfp4(xp[1], *lay, w.global_scale, N=N, K=K, **kw)[None, :]
+            fns[v] = ((kw["q"], kw["sub"]), lambda x, q=kw["q"]: (x, x_columns(x, q)), fn)
+        layouts_by_q: dict = {}
+        for name, (q, prep, fn) in fns.items():
+            try:
+                if q not in layouts_by_q:
+                    layouts_by_q.clear()  # one layout's copies at a time
+                    layouts_by_q[q] = [jax.jit(functools.partial(mosaic_layout, q=q[0], sub=q[1]))(w) for w in ws] \
+                        if q else [None] * len(ws)
+                layouts = layouts_by_q[q]
+                run = jax.jit(lambda x, ws, lays, prep=prep, fn=fn: [fn(xp, w, lay, layer) for xp in [prep(x)]
+                                                                     for layer, (w, lay) in enumerate(zip(ws, lays))])
+                outs = run(x, ws, layouts)
+                got = np.asarray(outs[0], np.float32)
+                entry = {"max_abs_err": float(np.max(np.abs(got - want))), "ref_max_abs": float(np.max(np.abs(want))),
+                         "mismatches_over_1ulp": int(np.sum(np.abs(got - want) > np.abs(want) * 2 ** -7 + 1e-30))}
+                events = device_trace.trace_kernels(lambda: [run(x, ws, layouts) for _ in range(args.steps)][-1],
+                                                    os.path.join(args.trace_dir, f"{shape}_{name}"))
+                summary = device_trace.summarize(events, args.steps)
+                dev = device_trace.device_ms(events, args.steps)
+                rows = [r for r in summary["rows"] if r["per_step"] >= args.layers]
+                entry.update({"device_us_per_layer": dev * 1e3 / args.layers if dev else None,
+                              "kernels_per_layer": summary["launches_per_step"] / args.layers,
+                              "kernels": [{"name": r["name"][:60], "median_us": r["median_us"],
+                                           "per_layer": r["per_step"] / args.layers} for r in rows]})
+                if dev:
+                    entry["GBps"] = nbytes / (dev * 1e-3 / args.layers) / 1e9
+                res[name] = entry
+                print(f"[probe_mosaic_nvfp4] {shape} {name}: {entry['device_us_per_layer']} us per layer, "
+                      f"err {entry['max_abs_err']} (ref max {entry['ref_max_abs']:.3g}, "
+                      f"{entry['mismatches_over_1ulp']} over 1 ulp), "
+                      f"kernels {[(k['name'][:30], round(k['median_us'], 2)) for k in entry['kernels']]}", flush=True)
+            except Exception as e:  # noqa: BLE001  (one variant failing must not hide the others)
+                res[name] = {"error": f"{type(e).__name__}: {e}"[:3000]}
+                print(f"[probe_mosaic_nvfp4] {shape} {name}: FAILED {type(e).__name__}: {str(e)[:2000]}", flush=True)
+            json.dump(results, open(path, "w"), indent=1)
+        del ws
+        layouts_by_q.clear()
+    json.dump(results, open(path, "w"), indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
