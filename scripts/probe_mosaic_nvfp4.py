@@ -120,6 +120,27 @@ def x_columns(x: jax.Array, q: int = Q) -> jax.Array:
     return jnp.zeros((COLS, K // q), jnp.bfloat16).at[:q].set(cols)
 
 
+def _thread_coords():
+    """(i32 constant maker, index cast, thread id in the warpgroup, j = lane % 4, row0): in wgmma's register fragment
+    this thread holds rows row0 and row0 + 8 and, in every 8-column block, columns 2 j and 2 j + 1."""
+    from jax._src.lib.mlir import ir  # noqa: PLC0415  (GPU lowering only)
+    from jax._src.lib.mlir.dialects import arith  # noqa: PLC0415
+    from jax.experimental.mosaic.gpu import utils as mu  # noqa: PLC0415
+
+    i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
+
+    def ci(v):
+        return arith.constant(i32, v)
+
+    def idx(v):
+        return arith.index_cast(index, v)
+
+    tid = arith.remui(mu.thread_idx(), ci(128))
+    lane, warp = arith.remui(tid, ci(32)), arith.divui(tid, ci(32))
+    row0 = arith.addi(arith.muli(warp, ci(16)), arith.divui(lane, ci(4)))
+    return ci, idx, tid, arith.remui(lane, ci(4)), row0
+
+
 def _decode_tile(ctx, c_ref, s_ref, *, skip: bool = False):
     """inline_mgpu body: the [64, 128] BF16 A tile of one pipeline step, in wgmma's register layout.
     skip: zeros instead (a diagnostic: the kernel's cost without the decode; the TMA traffic stays)."""
@@ -131,18 +152,7 @@ def _decode_tile(ctx, c_ref, s_ref, *, skip: bool = False):
 
     i32, i16, i8 = (ir.IntegerType.get_signless(w) for w in (32, 16, 8))
     bf16 = ir.BF16Type.get()
-    index = ir.IndexType.get()
-
-    def ci(v):
-        return arith.constant(i32, v)
-
-    def idx(v):
-        return arith.index_cast(index, v)
-
-    tid = arith.remui(mu.thread_idx(), ci(128))
-    lane, warp = arith.remui(tid, ci(32)), arith.divui(tid, ci(32))
-    j = arith.remui(lane, ci(4))
-    row0 = arith.addi(arith.muli(warp, ci(16)), arith.divui(lane, ci(4)))
+    ci, idx, _, j, row0 = _thread_coords()
     layout = mgpu.WGMMA_LAYOUT
     if skip:
         return mgpu.FragmentedArray.splat(arith.constant(bf16, 0.0), (64, 2 * STEP_BYTES), layout)
@@ -167,22 +177,11 @@ def _finish(ctx, acc, red_ref, gs_ref, o_ref, *, q: int):
     """inline_mgpu body: out[n] = bf16(sum_s acc[n * q + s, s] * global_scale) for the program's 64/q rows."""
     del ctx
     from jax._src.lib.mlir import ir  # noqa: PLC0415
-    from jax._src.lib.mlir.dialects import arith, memref, scf, vector  # noqa: PLC0415
+    from jax._src.lib.mlir.dialects import arith, memref, vector  # noqa: PLC0415
     from jax.experimental.mosaic.gpu import utils as mu  # noqa: PLC0415
 
-    i32, f32, bf16 = ir.IntegerType.get_signless(32), ir.F32Type.get(), ir.BF16Type.get()
-    index = ir.IndexType.get()
-
-    def ci(v):
-        return arith.constant(i32, v)
-
-    def idx(v):
-        return arith.index_cast(index, v)
-
-    tid = arith.remui(mu.thread_idx(), ci(128))
-    lane, warp = arith.remui(tid, ci(32)), arith.divui(tid, ci(32))
-    j = arith.remui(lane, ci(4))
-    row0 = arith.addi(arith.muli(warp, ci(16)), arith.divui(lane, ci(4)))
+    bf16 = ir.BF16Type.get()
+    ci, idx, tid, j, row0 = _thread_coords()
     for h in range(2):
         m = arith.addi(row0, ci(8 * h))
         # A row m = n * q + s wants column s: this thread holds columns 8 c8 + 2 j + e (register c8, element e)
@@ -205,7 +204,6 @@ def _finish(ctx, acc, red_ref, gs_ref, o_ref, *, q: int):
             total = arith.addf(total, memref.load(red_ref, [idx(arith.addi(arith.muli(tid, ci(q)), ci(ss)))]))
         gs = memref.load(gs_ref, [idx(ci(0))])
         memref.store(arith.truncf(bf16, arith.mulf(total, gs)), o_ref, [idx(tid)])
-    del f32, scf
 
 
 def mosaic_gemv_nvfp4(xcols: jax.Array, codes_m: jax.Array, scales_m: jax.Array, global_scale: jax.Array, *,
