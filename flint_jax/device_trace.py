@@ -182,6 +182,21 @@ def summarize(events: list[dict], steps: int) -> dict:
             "step_spans_ms": step_spans(events, steps), "step_busy_ms": step_busy_ms(events, steps)}
 
 
+def per_layer(events: list[dict], steps: int, layers: int, nbytes: int | None = None) -> dict:
+    """A probe's figures for `steps` calls of a program of `layers` similar kernels: device time per layer (span /
+    layers), kernels per layer, the kernels launched at least once per layer (median us) and, given the bytes one
+    layer reads, GB/s."""
+    summary = summarize(events, steps)
+    dev = device_ms(events, steps)
+    out = {"device_us_per_layer": dev * 1e3 / layers if dev else None,
+           "kernels_per_layer": summary["launches_per_step"] / layers,
+           "kernels": [{"name": r["name"][:60], "median_us": r["median_us"], "per_layer": r["per_step"] / layers}
+                       for r in summary["rows"] if r["per_step"] >= layers]}
+    if dev and nbytes:
+        out["GBps"] = nbytes / (dev * 1e-3 / layers) / 1e9
+    return out
+
+
 def marker_periods(events: list[dict], marker: str, skip: int = 1, top: int = 12) -> dict:
     """The device's work between consecutive launches of a kernel that runs once per step (`marker`, a substring of
     its name: the sampler's kernel for a decode loop), for a trace that holds more than the steps (a whole

@@ -254,15 +254,7 @@ def main(argv=None) -> int:
                     entry["ref_max_abs"] = float(np.max(np.abs(want)))
                 events = device_trace.trace_kernels(lambda: [run(x, ws) for _ in range(args.steps)][-1],
                                                     os.path.join(args.trace_dir, f"{shape}_{name}"))
-                summary = device_trace.summarize(events, args.steps)
-                dev = device_trace.device_ms(events, args.steps)
-                kernel_rows = [r for r in summary["rows"] if r["per_step"] >= args.layers]
-                entry.update({"device_us_per_layer": dev * 1e3 / args.layers if dev else None,
-                              "kernels_per_layer": summary["launches_per_step"] / args.layers,
-                              "kernels": [{"name": r["name"][:60], "median_us": r["median_us"],
-                                           "per_layer": r["per_step"] / args.layers} for r in kernel_rows]})
-                if dev:
-                    entry["GBps"] = nbytes / (dev * 1e-3 / args.layers) / 1e9
+                entry.update(device_trace.per_layer(events, args.steps, args.layers, nbytes))
                 res[name] = entry
                 print(f"[probe_mosaic_gemv] {shape} {kind} {name}: {entry.get('device_us_per_layer')} us per layer, "
                       f"{entry['kernels_per_layer']:.1f} kernels per layer, err {entry.get('max_abs_err')}, "

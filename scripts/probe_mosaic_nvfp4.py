@@ -385,15 +385,7 @@ def main(argv=None) -> int:
                          "mismatches_over_1ulp": int(np.sum(np.abs(got - want) > np.abs(want) * 2 ** -7 + 1e-30))}
                 events = device_trace.trace_kernels(lambda: [run(x, ws, layouts) for _ in range(args.steps)][-1],
                                                     os.path.join(args.trace_dir, f"{shape}_{name}"))
-                summary = device_trace.summarize(events, args.steps)
-                dev = device_trace.device_ms(events, args.steps)
-                rows = [r for r in summary["rows"] if r["per_step"] >= args.layers]
-                entry.update({"device_us_per_layer": dev * 1e3 / args.layers if dev else None,
-                              "kernels_per_layer": summary["launches_per_step"] / args.layers,
-                              "kernels": [{"name": r["name"][:60], "median_us": r["median_us"],
-                                           "per_layer": r["per_step"] / args.layers} for r in rows]})
-                if dev:
-                    entry["GBps"] = nbytes / (dev * 1e-3 / args.layers) / 1e9
+                entry.update(device_trace.per_layer(events, args.steps, args.layers, nbytes))
                 res[name] = entry
                 print(f"[probe_mosaic_nvfp4] {shape} {name}: {entry['device_us_per_layer']} us per layer, "
                       f"err {entry['max_abs_err']} (ref max {entry['ref_max_abs']:.3g}, "

@@ -119,3 +119,17 @@ def test_marker_periods_split_a_generate_trace_into_decode_steps(tmp_path):
     assert t["periods"] == 1 and t["busy_us"] == 14.0 and t["idle_us"] == 6.0 and t["kernels"] == 3
     assert t["first_gap_us"] == 1.0
     assert device_trace.marker_periods(ev[:2], "m") == {"periods": 0}
+
+
+def test_per_layer_divides_a_step_by_its_layers(tmp_path):
+    """A probe's program of 3 'layers' (the three kernels of write_trace): span per layer, kernels per layer, the
+    kernels launched once per layer or more, and the bytes per layer over that time."""
+    events = device_trace.read_kernel_events(write_trace(tmp_path))
+    got = device_trace.per_layer(events, steps=3, layers=3, nbytes=29_500)
+    assert got["device_us_per_layer"] == pytest.approx(29.5 / 3)
+    assert got["kernels_per_layer"] == 1.0
+    assert got["kernels"] == []  # each kernel runs once per step, i.e. a third of a time per layer
+    assert got["GBps"] == pytest.approx(29_500 / (29.5e-6 / 3) / 1e9)
+    one = device_trace.per_layer(events, steps=3, layers=1)
+    assert sorted(k["name"] for k in one["kernels"]) == ["attn", "moe_down", "qkv_projection"]
+    assert "GBps" not in one
