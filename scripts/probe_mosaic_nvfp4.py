@@ -8,7 +8,7 @@ each value costs ~3 instructions and the tensor cores do the multiply-adds:
   A (wgmma's left operand, in registers)  64 rows = R output rows x Q K-segments; each bf16x2 register is one code
       byte, its two nibbles (planar halves: values k and k + K/2) decoded and multiplied by their two block scales,
       exactly E2M1 x E4M3 x 2^-63 in BF16 (bfe, 2 integer multiplies, and, and, or, one bf16x2 multiply).
-  B (shared memory, TMA)                  x, times 2^63, one column per K-segment (16 columns, Q used): row (n, q) of
+  B (shared memory, TMA)                  x, times 2^63, one column per K-segment (max(8, Q) columns): row (n, q) of
       A against column q is segment q's partial dot product of output row n.
   epilogue                                out[n] = bf16(sum_q acc[(n, q), q] * global_scale).
 
@@ -46,7 +46,7 @@ from flint_jax import layers as L  # noqa: E402
 from flint_jax.pallas_kernels import gemv as triton_gemv  # noqa: E402
 
 Q = 4  # default K segments per output row; A has R * Q = 64 rows (wgmma's M), so R = 64 // Q output rows per program
-COLS = 16  # wgmma's N: x's segment columns (Q used)
+COLS = 16  # the most x segment columns (wgmma's N); a kernel uses columns(q) of them
 STEP_BYTES = 64  # code bytes per A row per pipeline step: 128 wgmma K positions
 X_SHIFT = 63  # x is scaled by 2^63 and the scales by 2^63; the decoded code is E2M1 x 2^-126 (see DECODE_PTX)
 SHAPES = {"o_proj": (2048, 4096), "qkv": (5120, 2048)}
@@ -81,6 +81,11 @@ cvt.rn.bf16x2.f32 $0, fhi, flo;
 }"""
 
 
+def columns(q: int) -> int:
+    """wgmma's N for q K-segments: q columns, at least 8 (the smallest N)."""
+    return max(8, q)
+
+
 def _dims(N: int, K: int, q: int) -> tuple[int, int]:
     """(programs, pipeline steps) for a weight [N, K] in q K-segments."""
     if q not in (1, 2, 4, 8, 16):
@@ -110,14 +115,14 @@ def mosaic_layout(w: nvfp4.NVFP4Weight, q: int = Q, sub: int = 1) -> tuple[jax.A
 
 
 def x_columns(x: jax.Array, q: int = Q) -> jax.Array:
-    """x [1, K] -> B^T [16, K/q] BF16: row s is segment s of x times 2^63, in the order of the decoded A columns:
-    position t * 128 + 8 c + 2 j + e holds x[e * K/2 + s * K/(2q) + 64 t + 16 j + c]. Rows s >= q are zero."""
+    """x [1, K] -> B^T [columns(q), K/q] BF16: row s is segment s of x times 2^63, in the order of the decoded A
+    columns: position t * 128 + 8 c + 2 j + e holds x[e * K/2 + s * K/(2q) + 64 t + 16 j + c]. Rows s >= q are zero."""
     K = x.shape[-1]
     steps = K // 2 // q // STEP_BYTES
     xs = (x.reshape(K).astype(jnp.float32) * 2.0 ** X_SHIFT).astype(jnp.bfloat16)
     xv = xs.reshape(2, q, steps, 4, 16)  # [e, s, t, j, c]
     cols = xv.transpose(1, 2, 4, 3, 0).reshape(q, K // q)  # [s, (t, c, j, e)]
-    return jnp.zeros((COLS, K // q), jnp.bfloat16).at[:q].set(cols)
+    return jnp.zeros((columns(q), K // q), jnp.bfloat16).at[:q].set(cols)
 
 
 def _thread_coords():
@@ -233,7 +238,7 @@ def mosaic_gemv_nvfp4(xcols: jax.Array, codes_m: jax.Array, scales_m: jax.Array,
     def kernel(x_gmem, c_gmem, s_gmem, gs_gmem, o_gmem, red_smem):
         i = lax.axis_index("i")
 
-        @functools.partial(pl.run_scoped, acc=plgpu.ACC((64, COLS), jnp.float32))
+        @functools.partial(pl.run_scoped, acc=plgpu.ACC((64, columns(q)), jnp.float32))
         def _(acc):
             def step(_, c_smem, s_smem, x_smem):
                 for u in range(sub):
@@ -245,7 +250,7 @@ def mosaic_gemv_nvfp4(xcols: jax.Array, codes_m: jax.Array, scales_m: jax.Array,
                                 in_specs=[
                 plgpu.BlockSpec((64, sub * STEP_BYTES), lambda t: (i * steps + t, 0)),
                 plgpu.BlockSpec((2 * sub, 256), lambda t: (i * steps + t, 0)),
-                plgpu.BlockSpec((COLS, sub * tile_k), lambda t: (0, t), transforms=k_major, **x_spec)],
+                plgpu.BlockSpec((columns(q), sub * tile_k), lambda t: (0, t), transforms=k_major, **x_spec)],
             )(c_gmem, s_gmem, x_gmem)
             plgpu.wgmma_wait(0)
             finish(acc[...], red_smem, gs_gmem, o_gmem.at[pl.ds(i * r, r)])
@@ -266,7 +271,7 @@ def emulate(xcols: np.ndarray, codes_m: np.ndarray, scales_m: np.ndarray, global
                       .astype(jnp.float32)).astype(np.float64)
     out = np.zeros(N, np.float32)
     for i in range(progs):
-        acc = np.zeros((64, COLS), np.float64)
+        acc = np.zeros((64, xc.shape[0]), np.float64)
         for t in range(steps):
             a = np.zeros((64, 128))
             tile = cm[(i * steps + t) * 64:(i * steps + t + 1) * 64]
