@@ -104,12 +104,12 @@ def mosaic_layout(w: nvfp4.NVFP4Weight, q: int = Q, sub: int = 1) -> tuple[jax.A
     sub > 1 puts `sub` consecutive steps' code tiles side by side: codes [N/R * steps/sub * 64, 64 sub]."""
     N, half = w.codes.shape
     progs, steps = _dims(N, 2 * half, q)
+    if steps % sub:
+        raise ValueError(f"{steps} steps of {STEP_BYTES} code bytes do not group by sub={sub}")
     r = 64 // q
     codes = w.codes.reshape(progs, r, q, steps, STEP_BYTES).transpose(0, 3, 1, 2, 4)
     sb = lax.bitcast_convert_type(w.scales, jnp.uint8).reshape(progs, r, 2, q, steps, 4)  # [i, n, e, s, t, j]
     scales = sb.transpose(0, 4, 1, 3, 5, 2)  # [i, t, n, q, j, e]
-    if steps % sub:
-        raise ValueError(f"{steps} steps of {STEP_BYTES} code bytes do not group by sub={sub}")
     codes = codes.reshape(progs, steps // sub, sub, 64, STEP_BYTES).transpose(0, 1, 3, 2, 4)
     return codes.reshape(progs * steps // sub * 64, sub * STEP_BYTES), scales.reshape(progs * steps * 2, 256)
 
@@ -280,10 +280,8 @@ def emulate(xcols: np.ndarray, codes_m: np.ndarray, scales_m: np.ndarray, global
                 for j in range(4):
                     s_lo, s_hi = e4m3[stile[m * 8 + 2 * j]], e4m3[stile[m * 8 + 2 * j + 1]]
                     for c in range(16):
-                        b = int(tile[m, 16 * j + c])
-                        bits = (((b * 0x00040040) & 0x01C001C0) | ((b * 0x01001000) & 0x80008000)) & 0xFFFFFFFF
-                        lo = _bf16_bits(bits & 0xFFFF) * 2.0 ** X_SHIFT * s_lo
-                        hi = _bf16_bits(bits >> 16) * 2.0 ** X_SHIFT * s_hi
+                        lo, hi = decoded_byte(int(tile[m, 16 * j + c]))
+                        lo, hi = lo * 2.0 ** X_SHIFT * s_lo, hi * 2.0 ** X_SHIFT * s_hi
                         a[m, 8 * c + 2 * j], a[m, 8 * c + 2 * j + 1] = lo, hi
             acc += a @ xc[:, t * 128:(t + 1) * 128].T.astype(np.float64)
         for n in range(r):
@@ -291,9 +289,12 @@ def emulate(xcols: np.ndarray, codes_m: np.ndarray, scales_m: np.ndarray, global
     return np.asarray(jnp.asarray(out).astype(jnp.bfloat16).astype(jnp.float32))
 
 
-def _bf16_bits(bits: int) -> float:
-    """A 16-bit pattern read as BF16 (subnormals included), as a Python float."""
-    return float(np.frombuffer(np.uint32(bits << 16).tobytes(), np.float32)[0])
+def decoded_byte(b: int) -> tuple[float, float]:
+    """DECODE_PTX's integer part for one code byte, in Python: the bf16x2 pattern read as its two BF16 values
+    (subnormals included), each E2M1 x 2^-126 of its nibble."""
+    bits = (((b * 0x00040040) & 0x01C001C0) | ((b * 0x01001000) & 0x80008000)) & 0xFFFFFFFF
+    lo, hi = np.frombuffer(np.array([(bits << 16) & 0xFFFFFFFF, bits & 0xFFFF0000], np.uint32).tobytes(), np.float32)
+    return float(lo), float(hi)
 
 
 def mosaic_linear_nvfp4(x: jax.Array, w: nvfp4.NVFP4Weight, layout=None, q: int = Q, sub: int = 1,

@@ -20,9 +20,7 @@ import probe_mosaic_nvfp4 as probe  # noqa: E402
 def test_byte_decode_gives_every_code_pair():
     """The decode's integer part: bf16 pattern x 2^126 = E2M1 of each nibble, for all 256 code bytes."""
     for b in range(256):
-        bits = ((b * 0x00040040) & 0x01C001C0) | ((b * 0x01001000) & 0x80008000)
-        lo = probe._bf16_bits(bits & 0xFFFF) * 2.0 ** 126
-        hi = probe._bf16_bits(bits >> 16) * 2.0 ** 126
+        lo, hi = (v * 2.0 ** 126 for v in probe.decoded_byte(b))
         assert (lo, hi) == (nvfp4.E2M1_VALUES[b & 15], nvfp4.E2M1_VALUES[b >> 4]), b
         assert np.signbit(lo) == bool(b & 8) and np.signbit(hi) == bool(b & 0x80), b
 
