@@ -81,6 +81,20 @@ cvt.rn.bf16x2.f32 $0, fhi, flo;
 }"""
 
 
+# One E4M3 byte of a pair (the low one for {half} = lo, else hi) -> bf16x2 of (scale, scale) x 2^63, exactly: the
+# natural layout's scale is shared by both values of a register (one 16-value group spans two registers' columns).
+SCALE_BCAST_PTX = """{{
+.reg .b32 h;
+.reg .b16 lo, hi;
+.reg .f32 f;
+cvt.rn.f16x2.e4m3x2 h, $1;
+mov.b32 {{lo, hi}}, h;
+cvt.f32.f16 f, {half};
+mul.rn.f32 f, f, 0f5F000000;
+cvt.rn.bf16x2.f32 $0, f, f;
+}}"""
+
+
 def columns(q: int) -> int:
     """wgmma's N for q K-segments: q columns, at least 8 (the smallest N)."""
     return max(8, q)
@@ -125,6 +139,30 @@ def x_columns(x: jax.Array, q: int = Q) -> jax.Array:
     return jnp.zeros((columns(q), K // q), jnp.bfloat16).at[:q].set(cols)
 
 
+def natural_layout(w: nvfp4.NVFP4Weight, q: int = Q) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The kernel layout for x in its natural order (x_natural): K-segment s of a row is values [s K/q, (s+1) K/q),
+    and within a step's 128 values the code byte 16 j + c of an A row holds values 8 c + 2 j (low nibble) and
+    8 c + 2 j + 1 (high), the two columns of wgmma's register c for the thread with lane % 4 = j. A lossless repack
+    of the nibbles. Scales: 8 bytes per A row and step (its 16-value groups in order), [2, 256] per step.
+    -> (codes [N/R * steps * 64, 64], scales [N/R * steps * 2, 256] uint8, global scale x 2^63 [1] f32)."""
+    N, half = w.codes.shape
+    K = 2 * half
+    progs, steps = _dims(N, K, q)
+    r = 64 // q
+    nib = nvfp4.unpack_codes(w.codes).reshape(progs, r, q, steps, 16, 4, 2)  # [i, n, s, t, c, j, e]
+    byte = (nib[..., 0] | (nib[..., 1] << 4)).astype(jnp.uint8).transpose(0, 3, 1, 2, 5, 4)  # [i, t, n, s, j, c]
+    sb = lax.bitcast_convert_type(w.scales, jnp.uint8).reshape(progs, r, q, steps, 8).transpose(0, 3, 1, 2, 4)
+    gs = (w.global_scale.astype(jnp.float32) * 2.0 ** X_SHIFT).reshape(1)
+    return byte.reshape(progs * steps * 64, STEP_BYTES), sb.reshape(progs * steps * 2, 256), gs
+
+
+def x_natural(x: jax.Array, q: int = Q) -> jax.Array:
+    """x [.., K] -> B^T [q, K/q] for natural_layout: a free reshape, x as its producer wrote it (q >= 8)."""
+    if q < 8:
+        raise ValueError(f"natural x needs q >= 8 K-segments (wgmma's N), got {q}")
+    return x.reshape(q, x.shape[-1] // q).astype(jnp.bfloat16)
+
+
 def _thread_coords():
     """(i32 constant maker, index cast, thread id in the warpgroup, j = lane % 4, row0): in wgmma's register fragment
     this thread holds rows row0 and row0 + 8 and, in every 8-column block, columns 2 j and 2 j + 1."""
@@ -146,9 +184,10 @@ def _thread_coords():
     return ci, idx, tid, arith.remui(lane, ci(4)), row0
 
 
-def _decode_tile(ctx, c_ref, s_ref, *, skip: bool = False):
+def _decode_tile(ctx, c_ref, s_ref, *, skip: bool = False, natural: bool = False):
     """inline_mgpu body: the [64, 128] BF16 A tile of one pipeline step, in wgmma's register layout.
-    skip: zeros instead (a diagnostic: the kernel's cost without the decode; the TMA traffic stays)."""
+    skip: zeros instead (a diagnostic: the kernel's cost without the decode; the TMA traffic stays).
+    natural: natural_layout's tiles (register c's two values share the scale of group c // 2)."""
     del ctx
     import jax.experimental.mosaic.gpu as mgpu  # noqa: PLC0415  (GPU lowering only)
     from jax._src.lib.mlir import ir  # noqa: PLC0415
@@ -166,6 +205,22 @@ def _decode_tile(ctx, c_ref, s_ref, *, skip: bool = False):
         m = arith.addi(row0, ci(8 * h))
         code_vec = vector.load(ir.VectorType.get((16,), i8), c_ref, [idx(m), idx(arith.muli(j, ci(16)))])
         words = mu.bitcast(code_vec, ir.VectorType.get((4,), i32))
+        if natural:  # the row's 8 scale bytes at flat m * 8: 4 pairs, each two broadcast bf16x2 scales
+            flat = arith.muli(m, ci(8))
+            eight = vector.load(ir.VectorType.get((8,), i8), s_ref, [idx(arith.divui(flat, ci(256))),
+                                                                     idx(arith.remui(flat, ci(256)))])
+            pairs = mu.bitcast(eight, ir.VectorType.get((4,), i16))
+            scales = []
+            for g in range(8):
+                pair = vector.extract(pairs, dynamic_position=[],
+                                      static_position=ir.DenseI64ArrayAttr.get([g // 2]))
+                scales.append(mu.inline_ptx(SCALE_BCAST_PTX.format(half="hi" if g % 2 else "lo"), pair,
+                                            result_types=i32))
+            for c in range(16):
+                word = vector.extract(words, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([c // 4]))
+                val = mu.inline_ptx(DECODE_PTX.format(shift=8 * (c % 4)), word, scales[c // 2], result_types=i32)
+                regs[(0, c, 0, 0, h, 0, 0, 0, 0)] = mu.bitcast(val, ir.VectorType.get((2,), bf16))
+            continue
         # scale bytes (m, j, e) at flat m * 8 + 2 j of the [2, 256] tile
         flat = arith.addi(arith.muli(m, ci(8)), arith.muli(j, ci(2)))
         pair = vector.load(ir.VectorType.get((2,), i8), s_ref, [idx(arith.divui(flat, ci(256))),
@@ -178,14 +233,13 @@ def _decode_tile(ctx, c_ref, s_ref, *, skip: bool = False):
     return mgpu.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None)
 
 
-def _finish(ctx, acc, red_ref, gs_ref, o_ref, *, q: int):
-    """inline_mgpu body: out[n] = bf16(sum_s acc[n * q + s, s] * global_scale) for the program's 64/q rows."""
-    del ctx
-    from jax._src.lib.mlir import ir  # noqa: PLC0415
+def store_diagonal(acc, red_ref, *, q: int):
+    """Inside an inline_mgpu body: red_ref[m] = acc[m, m % q] for the 64 A rows m = n * q + s (segment s's partial
+    dot product of row n), then a warpgroup barrier. Returns (i32 constant maker, index cast, thread id)."""
+    from jax._src.lib.mlir import ir  # noqa: PLC0415  (GPU lowering only)
     from jax._src.lib.mlir.dialects import arith, memref, vector  # noqa: PLC0415
     from jax.experimental.mosaic.gpu import utils as mu  # noqa: PLC0415
 
-    bf16 = ir.BF16Type.get()
     ci, idx, tid, j, row0 = _thread_coords()
     for h in range(2):
         m = arith.addi(row0, ci(8 * h))
@@ -203,18 +257,49 @@ def _finish(ctx, acc, red_ref, gs_ref, o_ref, *, q: int):
         with mu.when(mine):
             memref.store(val, red_ref, [idx(m)])
     mu.warpgroup_barrier()
+    return ci, idx, tid
+
+
+def row_total(red_ref, n, *, q: int):
+    """Inside an inline_mgpu body, after store_diagonal: sum over s of red_ref[n * q + s] (n an i32 value), FP32,
+    in the order s = 0, 1, ... (emulate_rows' order)."""
+    from jax._src.lib.mlir import ir  # noqa: PLC0415  (GPU lowering only)
+    from jax._src.lib.mlir.dialects import arith, memref  # noqa: PLC0415
+
+    i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
+    base = arith.muli(n, arith.constant(i32, q))
+    total = memref.load(red_ref, [arith.index_cast(index, base)])
+    for s in range(1, q):
+        at = arith.index_cast(index, arith.addi(base, arith.constant(i32, s)))
+        total = arith.addf(total, memref.load(red_ref, [at]))
+    return total
+
+
+def _finish(ctx, acc, red_ref, gs_ref, o_ref, res_ref=None, *, q: int):
+    """inline_mgpu body: out[n] = bf16(sum_s acc[n * q + s, s] * global_scale) for the program's 64/q rows; with a
+    residual, out[n] = bf16(res[n] + that) (layers' rounding points: the linear output rounded, then the sum)."""
+    del ctx
+    from jax._src.lib.mlir import ir  # noqa: PLC0415
+    from jax._src.lib.mlir.dialects import arith, memref  # noqa: PLC0415
+    from jax.experimental.mosaic.gpu import utils as mu  # noqa: PLC0415
+
+    bf16, f32 = ir.BF16Type.get(), ir.F32Type.get()
+    ci, idx, tid = store_diagonal(acc, red_ref, q=q)
     with mu.when(arith.cmpi(arith.CmpIPredicate.ult, tid, ci(64 // q))):
-        total = memref.load(red_ref, [idx(arith.muli(tid, ci(q)))])
-        for ss in range(1, q):
-            total = arith.addf(total, memref.load(red_ref, [idx(arith.addi(arith.muli(tid, ci(q)), ci(ss)))]))
         gs = memref.load(gs_ref, [idx(ci(0))])
-        memref.store(arith.truncf(bf16, arith.mulf(total, gs)), o_ref, [idx(tid)])
+        y = arith.truncf(bf16, arith.mulf(row_total(red_ref, tid, q=q), gs))
+        if res_ref is not None:
+            y = arith.truncf(bf16, arith.addf(arith.extf(f32, memref.load(res_ref, [idx(tid)])), arith.extf(f32, y)))
+        memref.store(y, o_ref, [idx(tid)])
 
 
 def mosaic_gemv_nvfp4(xcols: jax.Array, codes_m: jax.Array, scales_m: jax.Array, global_scale: jax.Array, *,
                       N: int, K: int, q: int = Q, stages: int = 4, overlap: bool = False,
-                      skip_decode: bool = False, sub: int = 1) -> jax.Array:
+                      skip_decode: bool = False, sub: int = 1, natural: bool = False,
+                      residual: jax.Array | None = None) -> jax.Array:
     """y [N] BF16 = bf16(x W^T * global_scale) from the kernel layout (mosaic_layout, x_columns with the same q).
+    natural: natural_layout's operands and x_natural(x, q) (global_scale: the layout's, x 2^63).
+    residual [N] BF16: y = bf16(residual + bf16(x W^T * global_scale)), added in the epilogue.
     overlap: let a step's wgmma run while the next step decodes (wgmma_wait(1); x's buffer released a step late).
     sub: 64-byte decode steps per pipeline step (bigger TMA copies; codes_m from mosaic_layout(w, q, sub))."""
     progs, steps = _dims(N, K, q)
@@ -228,14 +313,15 @@ def mosaic_gemv_nvfp4(xcols: jax.Array, codes_m: jax.Array, scales_m: jax.Array,
     decode = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()),
                                return_type=plgpu.ShapeDtypeStruct((64, tile_k), jnp.bfloat16,
                                                                   layout=plgpu.Layout.WGMMA))(
-        functools.partial(_decode_tile, skip=skip_decode))
-    finish = plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(), plgpu.RefType(),
-                                          plgpu.RefType()))(functools.partial(_finish, q=q))
+        functools.partial(_decode_tile, skip=skip_decode, natural=natural))
+    finish = plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,) + (plgpu.RefType(),) * (3 + (residual is not None)))(
+        functools.partial(_finish, q=q))
     x_spec = dict(delay_release=1) if overlap and steps > 1 else {}
 
     @functools.partial(plgpu.kernel, out_type=jax.ShapeDtypeStruct((N,), jnp.bfloat16), grid=(progs,),
                        grid_names=("i",), scratch_types=[plgpu.SMEM((64,), jnp.float32)])
-    def kernel(x_gmem, c_gmem, s_gmem, gs_gmem, o_gmem, red_smem):
+    def kernel(x_gmem, c_gmem, s_gmem, gs_gmem, *rest):
+        *res_gmem, o_gmem, red_smem = rest
         i = lax.axis_index("i")
 
         @functools.partial(pl.run_scoped, acc=plgpu.ACC((64, columns(q)), jnp.float32))
@@ -253,15 +339,19 @@ def mosaic_gemv_nvfp4(xcols: jax.Array, codes_m: jax.Array, scales_m: jax.Array,
                 plgpu.BlockSpec((columns(q), sub * tile_k), lambda t: (0, t), transforms=k_major, **x_spec)],
             )(c_gmem, s_gmem, x_gmem)
             plgpu.wgmma_wait(0)
-            finish(acc[...], red_smem, gs_gmem, o_gmem.at[pl.ds(i * r, r)])
+            finish(acc[...], red_smem, gs_gmem, o_gmem.at[pl.ds(i * r, r)],
+                   *[res.at[pl.ds(i * r, r)] for res in res_gmem])
 
-    return kernel(xcols, codes_m, scales_m, global_scale.reshape(1).astype(jnp.float32))
+    extra = [] if residual is None else [residual.reshape(N).astype(jnp.bfloat16)]
+    return kernel(xcols, codes_m, scales_m, global_scale.reshape(1).astype(jnp.float32), *extra)
 
 
-def emulate(xcols: np.ndarray, codes_m: np.ndarray, scales_m: np.ndarray, global_scale: float, N: int,
-            K: int, q: int = Q) -> np.ndarray:
-    """The kernel's arithmetic in NumPy, thread by thread: the same byte and scale addresses, the same bit decode
-    (A exact in BF16, so FP32 here), the same diagonal epilogue. FP32 sums in NumPy's order, not wgmma's."""
+def emulate_rows(xcols: np.ndarray, codes_m: np.ndarray, scales_m: np.ndarray, N: int, K: int,
+                 q: int = Q, natural: bool = False) -> np.ndarray:
+    """The kernel's arithmetic in NumPy, thread by thread, up to the global scale: the same byte and scale
+    addresses, the same bit decode (A exact in BF16, so FP32 here), the same diagonal sums. FP32 sums in NumPy's
+    order, not wgmma's. natural: natural_layout's operands and x_natural's x (then the totals carry 2^-63, which the
+    layout's global scale undoes). -> [N] float64 totals, row n of program i at i * 64/q + n."""
     progs, steps = _dims(N, K, q)
     r = 64 // q
     xc = np.asarray(jnp.asarray(xcols, jnp.float32))
@@ -269,7 +359,7 @@ def emulate(xcols: np.ndarray, codes_m: np.ndarray, scales_m: np.ndarray, global
     sm = np.asarray(scales_m).astype(np.uint8)
     e4m3 = np.asarray(lax.bitcast_convert_type(jnp.arange(256, dtype=jnp.uint8), jnp.float8_e4m3fn)
                       .astype(jnp.float32)).astype(np.float64)
-    out = np.zeros(N, np.float32)
+    out = np.zeros(N, np.float64)
     for i in range(progs):
         acc = np.zeros((64, xc.shape[0]), np.float64)
         for t in range(steps):
@@ -278,14 +368,24 @@ def emulate(xcols: np.ndarray, codes_m: np.ndarray, scales_m: np.ndarray, global
             stile = sm[(i * steps + t) * 2:(i * steps + t + 1) * 2].reshape(-1)
             for m in range(64):
                 for j in range(4):
-                    s_lo, s_hi = e4m3[stile[m * 8 + 2 * j]], e4m3[stile[m * 8 + 2 * j + 1]]
+                    if not natural:
+                        s_lo, s_hi = e4m3[stile[m * 8 + 2 * j]], e4m3[stile[m * 8 + 2 * j + 1]]
                     for c in range(16):
+                        if natural:
+                            s_lo = s_hi = e4m3[stile[m * 8 + c // 2]]
                         lo, hi = decoded_byte(int(tile[m, 16 * j + c]))
                         lo, hi = lo * 2.0 ** X_SHIFT * s_lo, hi * 2.0 ** X_SHIFT * s_hi
                         a[m, 8 * c + 2 * j], a[m, 8 * c + 2 * j + 1] = lo, hi
             acc += a @ xc[:, t * 128:(t + 1) * 128].T.astype(np.float64)
         for n in range(r):
-            out[i * r + n] = sum(acc[n * q + s, s] for s in range(q)) * global_scale
+            out[i * r + n] = sum(acc[n * q + s, s] for s in range(q))
+    return out
+
+
+def emulate(xcols: np.ndarray, codes_m: np.ndarray, scales_m: np.ndarray, global_scale: float, N: int,
+            K: int, q: int = Q, natural: bool = False) -> np.ndarray:
+    """mosaic_gemv_nvfp4 in NumPy (emulate_rows, times the global scale, rounded to BF16) -> [N] float32."""
+    out = (emulate_rows(xcols, codes_m, scales_m, N, K, q, natural) * global_scale).astype(np.float32)
     return np.asarray(jnp.asarray(out).astype(jnp.bfloat16).astype(jnp.float32))
 
 
@@ -299,23 +399,29 @@ def decoded_byte(b: int) -> tuple[float, float]:
 
 def mosaic_linear_nvfp4(x: jax.Array, w: nvfp4.NVFP4Weight, layout=None, q: int = Q, sub: int = 1,
                         **kw) -> jax.Array:
-    """layers.linear for one token through the kernel; `layout` = mosaic_layout(w, q, sub), precomputed."""
+    """layers.linear for one token through the kernel; `layout` = mosaic_layout(w, q, sub) (natural=True:
+    natural_layout(w, q)), precomputed."""
     N, half = w.codes.shape
-    codes_m, scales_m = layout if layout is not None else mosaic_layout(w, q, sub)
-    y = mosaic_gemv_nvfp4(x_columns(x, q), codes_m, scales_m, w.global_scale, N=N, K=2 * half, q=q, sub=sub,
-                          **kw)
-    return y[None, :]
+    if kw.get("natural"):
+        codes_m, scales_m, gs = layout if layout is not None else natural_layout(w, q)
+        xb = x_natural(x, q)
+    else:
+        codes_m, scales_m = layout if layout is not None else mosaic_layout(w, q, sub)
+        xb, gs = x_columns(x, q), w.global_scale
+    return mosaic_gemv_nvfp4(xb, codes_m, scales_m, gs, N=N, K=2 * half, q=q, sub=sub, **kw)[None, :]
 
 
 def parse_variant(v: str) -> dict:
     """'q16_st4_s2_ov_nd' -> mosaic_gemv_nvfp4 keywords: q K-segments, st pipeline depth, s sub-steps per pipeline
-    step, ov wgmma overlap, nd no decode (a diagnostic)."""
+    step, ov wgmma overlap, nd no decode (a diagnostic), nat natural_layout and x_natural; 'res' (the residual
+    epilogue) is main's to handle and not returned."""
     parts = v.split("_")
-    kw = dict(q=int(parts[0][1:]), stages=int(parts[1][2:]), sub=1, overlap="ov" in parts, skip_decode="nd" in parts)
+    kw = dict(q=int(parts[0][1:]), stages=int(parts[1][2:]), sub=1, overlap="ov" in parts, skip_decode="nd" in parts,
+              natural="nat" in parts)
     for part in parts[2:]:
         if part.startswith("s") and part[1:].isdigit():
             kw["sub"] = int(part[1:])
-        elif part not in ("ov", "nd"):
+        elif part not in ("ov", "nd", "nat", "res"):
             raise ValueError(f"variant {v!r}: unknown part {part!r}")
     return kw
 
@@ -344,6 +450,8 @@ def main(argv=None) -> int:
             w_abs = jax.eval_shape(lambda: nvfp4.random(jax.random.key(0), (N, K), 0.02))
             for v in [v for v in args.variants.split(",") if v]:
                 kw = parse_variant(v.removeprefix("mix_"))
+                if "_res" in v:
+                    kw["residual"] = jnp.ones((N,), jnp.bfloat16)
                 try:
                     with pallas_path.lowering_for_gpu():
                         text = jax.jit(functools.partial(mosaic_linear_nvfp4, **kw)).trace(
@@ -362,30 +470,46 @@ def main(argv=None) -> int:
         s0 = ws[0].scales.astype(jnp.float32).at[0, :4].set(2.0 ** -8).at[1, 3].multiply(-1)
         ws[0] = nvfp4.NVFP4Weight(ws[0].codes, s0.astype(ws[0].scales.dtype), jnp.float32(0.75))
         x = jax.random.normal(jax.random.key(2), (1, K), jnp.float32).astype(jnp.bfloat16)
-        want = np.asarray(L.linear(x, ws[0]), np.float32)
+        want = want_plain = np.asarray(L.linear(x, ws[0]), np.float32)
         # (prepare x once per step, per-layer call): the Mosaic kernel's x columns are built once, as the producer
         # of x would write them, not once per layer
-        fns = {"triton": (None, lambda x: x, lambda x, w, lay, layer: triton_gemv.gemv(x, w))}
-        for v in [v for v in args.variants.split(",") if v]:
+        h = jax.random.normal(jax.random.key(4), (1, N), jnp.float32).astype(jnp.bfloat16)  # residual variants
+        want_res = np.asarray((h.astype(jnp.float32) + jnp.asarray(want)).astype(jnp.bfloat16), np.float32)
+        variants = [v for v in args.variants.split(",") if v]
+        fns = {"triton": (None, lambda x: x, lambda xp, w, lay, layer: triton_gemv.gemv(xp, w), False)}
+        if any("_res" in v for v in variants):
+            fns["triton_res"] = (None, lambda x: x, lambda xp, w, lay, layer: triton_gemv.gemv(xp, w, residual=h),
+                                 True)
+        for v in variants:
             mix = v.startswith("mix_")  # odd layers Triton, even layers Mosaic: the two lowerings side by side
             kw = parse_variant(v.removeprefix("mix_"))
+            with_res = "_res" in v
 
-            def fn(xp, w, lay, layer, kw=kw, mix=mix):
+            def fn(xp, w, lay, layer, kw=kw, mix=mix, with_res=with_res):
+                resid = dict(residual=h) if with_res else {}
                 if mix and layer % 2:
-                    return triton_gemv.gemv(xp[0], w)
-                return mosaic_gemv_nvfp4(xp[1], *lay, w.global_scale, N=N, K=K, **kw)[None, :]
-            fns[v] = ((kw["q"], kw["sub"]), lambda x, q=kw["q"]: (x, x_columns(x, q)), fn)
+                    return triton_gemv.gemv(xp[0], w, **resid)
+                gs = lay[2] if kw["natural"] else w.global_scale
+                return mosaic_gemv_nvfp4(xp[1], lay[0], lay[1], gs, N=N, K=K, **kw, **resid)[None, :]
+            make_x = x_natural if kw["natural"] else x_columns
+            fns[v] = ((kw["q"], kw["sub"], kw["natural"]), lambda x, q=kw["q"], mk=make_x: (x, mk(x, q)), fn,
+                      with_res)
         layouts_by_q: dict = {}
-        for name, (q, prep, fn) in fns.items():
+        for name, (q, prep, fn, with_res) in fns.items():
             try:
                 if q not in layouts_by_q:
                     layouts_by_q.clear()  # one layout's copies at a time
-                    layouts_by_q[q] = [jax.jit(functools.partial(mosaic_layout, q=q[0], sub=q[1]))(w) for w in ws] \
-                        if q else [None] * len(ws)
+                    if q is None:
+                        layouts_by_q[q] = [None] * len(ws)
+                    else:
+                        lay_fn = functools.partial(natural_layout, q=q[0]) if q[2] else \
+                            functools.partial(mosaic_layout, q=q[0], sub=q[1])
+                        layouts_by_q[q] = [jax.jit(lay_fn)(w) for w in ws]
                 layouts = layouts_by_q[q]
                 run = jax.jit(lambda x, ws, lays, prep=prep, fn=fn: [fn(xp, w, lay, layer) for xp in [prep(x)]
                                                                      for layer, (w, lay) in enumerate(zip(ws, lays))])
                 outs = run(x, ws, layouts)
+                want = want_res if with_res else want_plain
                 got = np.asarray(outs[0], np.float32)
                 entry = {"max_abs_err": float(np.max(np.abs(got - want))), "ref_max_abs": float(np.max(np.abs(want))),
                          "mismatches_over_1ulp": int(np.sum(np.abs(got - want) > np.abs(want) * 2 ** -7 + 1e-30))}

@@ -41,6 +41,32 @@ def test_layouts_and_decode_equal_linear(q):
     assert np.mean(got == want) > 0.9
 
 
+@pytest.mark.parametrize("q", [8, 16])
+def test_natural_layout_takes_x_as_written(q):
+    """natural_layout: x is a free reshape of the producer's [1, K] (no column copy); the 2^63 that the decode's
+    scales carry moves into the global scale. Same weight quirks as above."""
+    N, K = 2 * (64 // q), 2 * q * probe.STEP_BYTES * 2
+    w = nvfp4.random(jax.random.key(0), (N, K), 0.05)
+    scales = w.scales.astype(jnp.float32).at[0, :4].set(2.0 ** -8).at[1, 3].multiply(-1)
+    w = nvfp4.NVFP4Weight(w.codes, scales.astype(w.scales.dtype), jnp.float32(0.75))
+    x = jax.random.normal(jax.random.key(1), (1, K), jnp.float32).astype(jnp.bfloat16)
+    codes_m, scales_m, gs = probe.natural_layout(w, q)
+    xb = probe.x_natural(x, q)
+    np.testing.assert_array_equal(np.asarray(xb).reshape(-1), np.asarray(x).reshape(-1))
+    assert float(gs[0]) == 0.75 * 2.0 ** 63
+    got = probe.emulate(xb, codes_m, scales_m, float(gs[0]), N, K, q, natural=True)
+    want = np.asarray(L.linear(x, w), np.float32)[0]
+    np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=1e-6)
+    assert np.mean(got == want) > 0.9
+    # the repack is lossless: every code nibble and scale byte lands once
+    np.testing.assert_array_equal(np.sort(np.asarray(nvfp4.unpack_codes(codes_m)).reshape(-1)),
+                                  np.sort(np.asarray(nvfp4.unpack_codes(w.codes)).reshape(-1)))
+    assert sorted(np.asarray(scales_m).reshape(-1).tolist()) == sorted(
+        np.asarray(jax.lax.bitcast_convert_type(w.scales, jnp.uint8)).reshape(-1).tolist())
+    with pytest.raises(ValueError, match="q >= 8"):
+        probe.x_natural(x, 4)
+
+
 def test_layout_rejects_shapes_that_do_not_tile():
     w = nvfp4.random(jax.random.key(0), (24, 1024), 0.05)
     with pytest.raises(ValueError, match="N % 16"):
@@ -67,7 +93,9 @@ def test_grouped_steps_put_consecutive_tiles_side_by_side():
 
 
 def test_variant_names():
-    assert probe.parse_variant("q16_st4_s2_ov") == dict(q=16, stages=4, sub=2, overlap=True, skip_decode=False)
+    assert probe.parse_variant("q16_st4_s2_ov") == dict(q=16, stages=4, sub=2, overlap=True, skip_decode=False,
+                                                        natural=False)
+    assert probe.parse_variant("q8_st4_ov_nat_res")["natural"]
     assert probe.parse_variant("q8_st2_nd")["skip_decode"]
     with pytest.raises(ValueError, match="unknown part"):
         probe.parse_variant("q8_st2_fast")
