@@ -110,14 +110,47 @@ def _finish_swiglu(ctx, acc, red_ref, gs_ref, o_ref, *, q: int):
         memref.store(arith.truncf(bf16, act), o_ref, [idx(tid)])
 
 
-def mosaic_gate_up(xcols: jax.Array, ids: jax.Array, codes_m: jax.Array, scales_m: jax.Array, gs: jax.Array, *,
+KP = 8  # routing outputs' width: k = 6 slots rounded up to a power of two (moe_experts' layout), the rest zero
+
+
+def select_top_k(logits: jax.Array, bias: jax.Array, k: int, norm: bool, scaling: float):
+    """One token's routing as array ops that lower both in a Mosaic GPU kernel and in plain JAX (so the CPU tests
+    run the kernel's own code): k rounds of max and first index over sigmoid(logits) + bias (ties to the lower id,
+    as lax.top_k). -> (ids: k int32 scalars, weights(): k f32 scalars, computed where called; the unbiased scores,
+    normalised to sum 1 when norm, times scaling)."""
+    E = logits.shape[0]
+    sig = jax.nn.sigmoid(logits)
+    score = sig + bias
+    iota = lax.broadcasted_iota(jnp.int32, (E,), 0)
+    ids = []
+    for _ in range(k):
+        top = jnp.max(score)
+        pick = jnp.min(jnp.where(score == top, iota, E))
+        ids.append(pick)
+        score = jnp.where(iota == pick, -jnp.inf, score)
+
+    def weights():
+        vals = [jnp.sum(jnp.where(iota == pick, sig, 0.0)) for pick in ids]
+        total = functools.reduce(lambda x, y: x + y, vals)
+        return [(v / total if norm else v) * scaling for v in vals]
+    return ids, weights
+
+
+def mosaic_gate_up(xcols: jax.Array, experts, codes_m: jax.Array, scales_m: jax.Array, gs: jax.Array, *,
                    inter: int, K: int, q: int = Q, stages: int = 4, overlap: bool = True,
-                   natural: bool = False) -> jax.Array:
-    """SwiGLU activations [pairs, inter] BF16 of the experts ids [pairs] (int32, < E + 1) for one token's x columns
-    (probe_mosaic_nvfp4.x_columns(b, q); natural: x_natural(b, q)), from gate_up_layout's operands (the same
-    natural)."""
+                   natural: bool = False, route: dict | None = None):
+    """SwiGLU activations [pairs, inter] BF16 for one token's x columns (probe_mosaic_nvfp4.x_columns(b, q);
+    natural: x_natural(b, q)), from gate_up_layout's operands (the same natural).
+    experts: the pairs' expert ids [pairs] (int32, < E + 1; E the shared expert); or, with route=dict(k, norm,
+    scaling), the token's (logits [E] f32, bias [E] f32): every program runs select_top_k itself, pairs = k + 1 (the
+    last the shared expert), and the call returns (act, ids [KP] int32, weights [KP] f32), the routing written by
+    program (0, 0) for the down kernel."""
     progs, steps = nv._dims(2 * inter, K, q)
-    pairs = ids.shape[0]
+    n_experts = codes_m.shape[0] // (progs * steps * 64) - 1
+    pairs = route["k"] + 1 if route else experts.shape[0]
+    if route and n_experts % 128:
+        raise ValueError(f"in-kernel routing over {n_experts} experts: Mosaic GPU lays a [E] vector over the 128 "
+                         "threads of a warpgroup, so E must be a multiple of 128")
     half, tile_k = 32 // q, 2 * nv.STEP_BYTES
     swizzle = plgpu.find_swizzle(tile_k * 16)
     k_major = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
@@ -128,12 +161,44 @@ def mosaic_gate_up(xcols: jax.Array, ids: jax.Array, codes_m: jax.Array, scales_
     finish = plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(), plgpu.RefType(),
                                           plgpu.RefType()))(functools.partial(_finish_swiglu, q=q))
     x_spec = dict(delay_release=1) if overlap and steps > 1 else {}
+    out_type = [jax.ShapeDtypeStruct((pairs * inter,), jnp.bfloat16)]
+    scratch = [plgpu.SMEM((64,), jnp.float32)]
+    if route:
+        out_type += [jax.ShapeDtypeStruct((KP,), jnp.int32), jax.ShapeDtypeStruct((KP,), jnp.float32)]
+        scratch += [plgpu.SMEM((n_experts,), jnp.float32), plgpu.SMEM((n_experts,), jnp.float32),
+                    plgpu.Barrier(num_arrivals=2)]
 
-    @functools.partial(plgpu.kernel, out_type=jax.ShapeDtypeStruct((pairs * inter,), jnp.bfloat16),
-                       grid=(pairs, progs), grid_names=("p", "i"), scratch_types=[plgpu.SMEM((64,), jnp.float32)])
-    def kernel(ids_gmem, x_gmem, c_gmem, s_gmem, gs_gmem, o_gmem, red_smem):
+    def expert_of(p, e_refs, ids_out, w_out, lg_smem, b_smem, bar):
+        """Pair p's expert id; with route, the top-k from the logits (and program (0, 0) writes the routing)."""
+        if not route:
+            return e_refs[0][p]
+        plgpu.copy_gmem_to_smem(e_refs[0], lg_smem, bar)
+        plgpu.copy_gmem_to_smem(e_refs[1], b_smem, bar)
+        plgpu.barrier_wait(bar)
+        ids, weights = select_top_k(lg_smem[...], b_smem[...], route["k"], route["norm"], route["scaling"])
+
+        @pl.when((p == 0) & (lax.axis_index("i") == 0))
+        def _():
+            for s, (e, w) in enumerate(zip(ids, weights())):
+                ids_out[s] = e
+                w_out[s] = w
+            for s in range(route["k"], KP):
+                ids_out[s] = jnp.int32(0)
+                w_out[s] = jnp.float32(0)
+
+        e = jnp.int32(n_experts)  # the shared expert's pair
+        for s, pick in enumerate(ids):
+            e = jnp.where(p == s, pick, e)
+        return e
+
+    @functools.partial(plgpu.kernel, out_type=out_type, grid=(pairs, progs), grid_names=("p", "i"),
+                       scratch_types=scratch)
+    def kernel(*refs):
+        n_in = 2 if route else 1
+        e_refs, (x_gmem, c_gmem, s_gmem, gs_gmem, o_gmem) = refs[:n_in], refs[n_in:n_in + 5]
+        ids_out, w_out, red_smem, *route_scratch = refs[n_in + 5:] if route else (None, None, *refs[n_in + 5:])
         p, i = lax.axis_index("p"), lax.axis_index("i")
-        e = ids_gmem[p]
+        e = expert_of(p, e_refs, ids_out, w_out, *(route_scratch or [None] * 3))
         first = (e * progs + i) * steps  # expert e's program i's first pipeline step in the stacked layout
 
         @functools.partial(pl.run_scoped, acc=plgpu.ACC((64, nv.columns(q)), jnp.float32))
@@ -151,8 +216,12 @@ def mosaic_gate_up(xcols: jax.Array, ids: jax.Array, codes_m: jax.Array, scales_
             plgpu.wgmma_wait(0)
             finish(acc[...], red_smem, gs_gmem.at[pl.ds(2 * e, 2)], o_gmem.at[pl.ds(p * inter + i * half, half)])
 
-    out = kernel(ids.astype(jnp.int32), xcols, codes_m, scales_m, gs)
-    return out.reshape(pairs, inter)
+    if route:
+        logits, bias = experts
+        act, ids, ws = kernel(logits.reshape(-1).astype(jnp.float32), bias.reshape(-1).astype(jnp.float32), xcols,
+                              codes_m, scales_m, gs)
+        return act.reshape(pairs, inter), ids, ws
+    return kernel(experts.astype(jnp.int32), xcols, codes_m, scales_m, gs)[0].reshape(pairs, inter)
 
 
 def emulate_gate_up(xcols, ids, codes_m, scales_m, gs, *, inter: int, K: int, q: int = Q,
@@ -210,12 +279,18 @@ def _x_for(kw: dict):
     return nv.x_natural if kw["natural"] else nv.x_columns
 
 
+def route_of(cfg: FlintConfig) -> dict:
+    """mosaic_gate_up's route argument for a config's routing."""
+    return dict(k=cfg.num_experts_per_tok, norm=bool(cfg.norm_topk_prob), scaling=float(cfg.routed_scaling_factor))
+
+
 def parse_variant(v: str) -> dict:
-    """'q8_st4_ov_nat' -> mosaic_gate_up keywords (q K-segments, st pipeline depth, ov wgmma overlap, nat x as
-    written)."""
-    kw = nv.parse_variant(v)
+    """'q8_st4_ov_nat_rt' -> mosaic_gate_up keywords (q K-segments, st pipeline depth, ov wgmma overlap, nat x as
+    written) and rt: the kernel selects the experts from the logits (else the ids come in)."""
+    kw = nv.parse_variant(v.replace("_rt", ""))
     if kw.pop("sub") != 1 or kw.pop("skip_decode"):
         raise ValueError(f"variant {v!r}: sub-steps and nd are GEMV-probe diagnostics, not offered here")
+    kw["routed"] = "_rt" in v
     return kw
 
 
@@ -224,10 +299,9 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--out", required=True)
     ap.add_argument("--layers", type=int, default=47, help="MoE layers, each its own weights (Flint: 47)")
-    ap.add_argument("--experts", type=int, default=64,
-                    help="routed experts per layer (Flint: 256; fewer keep the setup short, and only the 7 selected "
-                         "are read: 47 layers x 8.3 MB still exceed the 60 MB L2)")
-    ap.add_argument("--variants", default="q8_st4,q8_st4_nat,q16_st4_nat,q8_st2_nat")
+    ap.add_argument("--experts", type=int, default=256,
+                    help="routed experts per layer (Flint: 256; the in-kernel top-k needs a multiple of 128)")
+    ap.add_argument("--variants", default="q8_st4,q8_st4_nat,q8_st4_rt,q8_st4_nat_rt")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--trace-dir", default="/tmp/probe_mosaic_moe_traces")
     ap.add_argument("--lower-only", action="store_true")
@@ -246,8 +320,11 @@ def main(argv=None) -> int:
 
             def fn(b, ids, moe, kw=kw):
                 lay = gate_up_layout(moe, kw["q"], kw["natural"])
-                return mosaic_gate_up(_x_for(kw)(b, kw["q"]), pair_ids(ids, args.experts), *lay, inter=I, K=H,
-                                      **kw)
+                experts, route = pair_ids(ids, args.experts), None
+                if kw["routed"]:
+                    experts, route = (moe.router[:, 0], moe.router_bias), route_of(cfg)
+                return mosaic_gate_up(_x_for(kw)(b, kw["q"]), experts, *lay, inter=I, K=H, route=route,
+                                      **{a: c for a, c in kw.items() if a != "routed"})
             with pallas_path.lowering_for_gpu():
                 text = jax.jit(fn).trace(jax.ShapeDtypeStruct((1, H), jnp.bfloat16),
                                          jax.ShapeDtypeStruct((k,), jnp.int32), moe_abs).lower(
@@ -274,14 +351,24 @@ def main(argv=None) -> int:
     def record(name, run, inputs):
         try:
             outs = jax.jit(run)(*inputs)
-            got = np.asarray(outs[0], np.float32)
-            entry = {"max_abs_err": float(np.max(np.abs(got - want))), "ref_max_abs": float(np.max(np.abs(want))),
+            first = outs[0]
+            routing = {}
+            if isinstance(first, (tuple, list)):  # (act, ids, weights): the kernel's routing against layers'
+                first, ids, ws = first
+                routing = {"ids_equal": bool(np.array_equal(np.asarray(ids), np.asarray(given[0][0][0]))),
+                           "weights_max_rel_err": float(np.max(np.abs(np.asarray(ws) - np.asarray(given[0][1][0]))
+                                                               / np.maximum(np.abs(np.asarray(given[0][1][0])),
+                                                                            1e-30)))}
+            got = np.asarray(first, np.float32)
+            entry = {**routing, "max_abs_err": float(np.max(np.abs(got - want))), "ref_max_abs": float(np.max(np.abs(want))),
                      "mismatches_over_1ulp": int(np.sum(np.abs(got - want) > np.abs(want) * 2 ** -7 + 1e-30)),
                      "exact_fraction": float(np.mean(got == want))}
             f = jax.jit(run)
             events = device_trace.trace_kernels(lambda: [f(*inputs) for _ in range(args.steps)][-1],
                                                 os.path.join(args.trace_dir, name))
             entry.update(device_trace.per_layer(events, args.steps, args.layers, nbytes))
+            if routing and not routing["ids_equal"]:
+                entry["error"] = f"routing differs from layers.route_from_logits: {routing}"
         except Exception as e:  # noqa: BLE001  (one variant failing must not hide the others)
             entry = {"error": f"{type(e).__name__}: {e}"[:3000]}
         results["variants"][name] = entry
@@ -292,17 +379,27 @@ def main(argv=None) -> int:
               f"{[(x['name'][:30], round(x['median_us'], 2)) for x in entry['kernels']]}"), flush=True)
         json.dump(results, open(path, "w"), indent=1)
 
-    record("triton", lambda b, lg, ms: [moe_experts.expert_gate_up(b, lg[i], ms[i], cfg)[:k + 1]
-                                        for i in range(args.layers)], (b, logits, moes))
+    # as in the step: the top-k in every program, and the routing written for the down kernel (ROUTING_TO_DOWN)
+    record("triton", lambda b, lg, ms: [
+        (lambda a, ids, ws: (a[:k + 1], ids[0], ws[0]))(*moe_experts.expert_gate_up(b, lg[i], ms[i], cfg,
+                                                                                     emit_routing=True))
+        for i in range(args.layers)], (b, logits, moes))
     record("triton_given", lambda b, gv, ms: [moe_experts.expert_gate_up(b, None, ms[i], cfg, routing=gv[i])[:k + 1]
                                               for i in range(args.layers)], (b, given, moes))
     for q, nat in sorted({(parse_variant(v)["q"], parse_variant(v)["natural"]) for v in variants}):
         layouts = [jax.jit(functools.partial(gate_up_layout, q=q, natural=nat))(m) for m in moes]
         for v in [v for v in variants if (parse_variant(v)["q"], parse_variant(v)["natural"]) == (q, nat)]:
             kw = parse_variant(v)
-            record(v, lambda b, ps, lays, kw=kw: [
-                mosaic_gate_up(xc, ps[i], *lays[i], inter=I, K=H, **kw)
-                for xc in [_x_for(kw)(b, kw["q"])] for i in range(args.layers)], (b, pairs, layouts))
+            kern = {a: c for a, c in kw.items() if a != "routed"}
+            if kw["routed"]:
+                record(v, lambda b, lg, ms, lays, kern=kern: [
+                    mosaic_gate_up(xc, (lg[i][0], ms[i].router_bias), *lays[i], inter=I, K=H, route=route_of(cfg),
+                                   **kern)
+                    for xc in [_x_for(kw)(b, kw["q"])] for i in range(args.layers)], (b, logits, moes, layouts))
+            else:
+                record(v, lambda b, ps, lays, kern=kern: [
+                    mosaic_gate_up(xc, ps[i], *lays[i], inter=I, K=H, **kern)
+                    for xc in [_x_for(kw)(b, kw["q"])] for i in range(args.layers)], (b, pairs, layouts))
         del layouts
     json.dump(results, open(path, "w"), indent=1)
     return 0

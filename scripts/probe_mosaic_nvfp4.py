@@ -81,18 +81,21 @@ cvt.rn.bf16x2.f32 $0, fhi, flo;
 }"""
 
 
-# One E4M3 byte of a pair (the low one for {half} = lo, else hi) -> bf16x2 of (scale, scale) x 2^63, exactly: the
-# natural layout's scale is shared by both values of a register (one 16-value group spans two registers' columns).
-SCALE_BCAST_PTX = """{{
+# Two E4M3 bytes -> two bf16x2 registers, (lo, lo) and (hi, hi), each scale x 2^63, exactly: the natural layout's
+# scale is shared by both values of a register (one 16-value group spans two registers' columns).
+SCALE_BCAST_PTX = """{
 .reg .b32 h;
 .reg .b16 lo, hi;
-.reg .f32 f;
-cvt.rn.f16x2.e4m3x2 h, $1;
-mov.b32 {{lo, hi}}, h;
-cvt.f32.f16 f, {half};
-mul.rn.f32 f, f, 0f5F000000;
-cvt.rn.bf16x2.f32 $0, f, f;
-}}"""
+.reg .f32 flo, fhi;
+cvt.rn.f16x2.e4m3x2 h, $2;
+mov.b32 {lo, hi}, h;
+cvt.f32.f16 flo, lo;
+cvt.f32.f16 fhi, hi;
+mul.rn.f32 flo, flo, 0f5F000000;
+mul.rn.f32 fhi, fhi, 0f5F000000;
+cvt.rn.bf16x2.f32 $0, flo, flo;
+cvt.rn.bf16x2.f32 $1, fhi, fhi;
+}"""
 
 
 def columns(q: int) -> int:
@@ -211,11 +214,9 @@ def _decode_tile(ctx, c_ref, s_ref, *, skip: bool = False, natural: bool = False
                                                                      idx(arith.remui(flat, ci(256)))])
             pairs = mu.bitcast(eight, ir.VectorType.get((4,), i16))
             scales = []
-            for g in range(8):
-                pair = vector.extract(pairs, dynamic_position=[],
-                                      static_position=ir.DenseI64ArrayAttr.get([g // 2]))
-                scales.append(mu.inline_ptx(SCALE_BCAST_PTX.format(half="hi" if g % 2 else "lo"), pair,
-                                            result_types=i32))
+            for g2 in range(4):
+                pair = vector.extract(pairs, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([g2]))
+                scales.extend(mu.inline_ptx(SCALE_BCAST_PTX, pair, result_types=[i32, i32]))
             for c in range(16):
                 word = vector.extract(words, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([c // 4]))
                 val = mu.inline_ptx(DECODE_PTX.format(shift=8 * (c % 4)), word, scales[c // 2], result_types=i32)

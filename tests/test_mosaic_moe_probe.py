@@ -60,3 +60,31 @@ def test_natural_layout_gate_up_equals_layers():
     want = probe.ref_gate_up(b, ids, moe)
     np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=1e-6)
     assert np.mean(got == want) > 0.8
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_in_kernel_top_k_equals_layers_route(norm):
+    """select_top_k (the array code the routed kernel runs) against layers.route_from_logits: exact ties between
+    experts (equal logits), a correction bias that changes the choice, and the weights' normalisation and scaling."""
+    from flint_jax import layers as L
+    from flint_jax.config import FlintConfig
+    cfg = FlintConfig.flint(n_routed_experts=256, norm_topk_prob=norm, routed_scaling_factor=2.5)
+    logits = jax.random.normal(jax.random.key(7), (256,), jnp.float32)
+    logits = logits.at[jnp.array([10, 40, 200])].set(3.0)  # a three-way tie at the top
+    bias = jnp.zeros((256,), jnp.float32).at[5].set(2.0)  # expert 5 wins by its bias alone
+    for b in (bias, jnp.zeros_like(bias)):
+        want_ids, want_w = L.route_from_logits(logits, b, cfg)
+        ids, weights = probe.select_top_k(logits, b, cfg.num_experts_per_tok, norm, 2.5)
+        assert [int(i) for i in ids] == np.asarray(want_ids).tolist()
+        np.testing.assert_allclose([float(w) for w in weights()], np.asarray(want_w), rtol=1e-6)
+    assert [int(i) for i in ids][:3] == [10, 40, 200]  # ties to the lower index
+    assert int(probe.select_top_k(logits, bias, 6, norm, 2.5)[0][0]) == 5
+
+
+def test_routed_kernel_needs_experts_in_warpgroup_multiples():
+    q = 8
+    moe = probe.synthetic_moe(jax.random.key(0), 3, 2 * q * nv.STEP_BYTES, 64)
+    lay = probe.gate_up_layout(moe, q)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        probe.mosaic_gate_up(jnp.zeros((8, 128), jnp.bfloat16), (jnp.zeros(3), jnp.zeros(3)), *lay, inter=64,
+                             K=2 * q * nv.STEP_BYTES, q=q, route=dict(k=2, norm=True, scaling=1.0))
