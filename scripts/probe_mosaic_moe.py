@@ -113,27 +113,32 @@ def _finish_swiglu(ctx, acc, red_ref, gs_ref, o_ref, *, q: int):
 KP = 8  # routing outputs' width: k = 6 slots rounded up to a power of two (moe_experts' layout), the rest zero
 
 
+def top_k_round(score: jax.Array, iota: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """One round of the top-k: the first index of the largest score (ties to the lower id, as lax.top_k), and the
+    scores with it removed. Array ops that lower in a Mosaic GPU kernel and run in plain JAX alike."""
+    top = jnp.max(score)
+    pick = jnp.min(jnp.where(score == top, iota, score.shape[0]))
+    return pick, jnp.where(iota == pick, -jnp.inf, score)
+
+
+def routing_weights(sig: jax.Array, iota: jax.Array, ids, norm: bool, scaling: float) -> list:
+    """The selected experts' unbiased scores, normalised to sum 1 when norm (summed in slot order), times scaling."""
+    vals = [jnp.sum(jnp.where(iota == pick, sig, 0.0)) for pick in ids]
+    total = functools.reduce(lambda x, y: x + y, vals)
+    return [(v / total if norm else v) * scaling for v in vals]
+
+
 def select_top_k(logits: jax.Array, bias: jax.Array, k: int, norm: bool, scaling: float):
-    """One token's routing as array ops that lower both in a Mosaic GPU kernel and in plain JAX (so the CPU tests
-    run the kernel's own code): k rounds of max and first index over sigmoid(logits) + bias (ties to the lower id,
-    as lax.top_k). -> (ids: k int32 scalars, weights(): k f32 scalars, computed where called; the unbiased scores,
-    normalised to sum 1 when norm, times scaling)."""
-    E = logits.shape[0]
+    """One token's routing from the kernel's pieces (top_k_round k times over sigmoid(logits) + bias,
+    routing_weights), unrolled. -> (ids: k int32 scalars, weights(): k f32 scalars, computed where called)."""
     sig = jax.nn.sigmoid(logits)
     score = sig + bias
-    iota = lax.broadcasted_iota(jnp.int32, (E,), 0)
+    iota = lax.broadcasted_iota(jnp.int32, score.shape, 0)
     ids = []
     for _ in range(k):
-        top = jnp.max(score)
-        pick = jnp.min(jnp.where(score == top, iota, E))
+        pick, score = top_k_round(score, iota)
         ids.append(pick)
-        score = jnp.where(iota == pick, -jnp.inf, score)
-
-    def weights():
-        vals = [jnp.sum(jnp.where(iota == pick, sig, 0.0)) for pick in ids]
-        total = functools.reduce(lambda x, y: x + y, vals)
-        return [(v / total if norm else v) * scaling for v in vals]
-    return ids, weights
+    return ids, lambda: routing_weights(sig, iota, ids, norm, scaling)
 
 
 def mosaic_gate_up(xcols: jax.Array, experts, codes_m: jax.Array, scales_m: jax.Array, gs: jax.Array, *,
@@ -142,9 +147,9 @@ def mosaic_gate_up(xcols: jax.Array, experts, codes_m: jax.Array, scales_m: jax.
     """SwiGLU activations [pairs, inter] BF16 for one token's x columns (probe_mosaic_nvfp4.x_columns(b, q);
     natural: x_natural(b, q)), from gate_up_layout's operands (the same natural).
     experts: the pairs' expert ids [pairs] (int32, < E + 1; E the shared expert); or, with route=dict(k, norm,
-    scaling), the token's (logits [E] f32, bias [E] f32): every program runs select_top_k itself, pairs = k + 1 (the
-    last the shared expert), and the call returns (act, ids [KP] int32, weights [KP] f32), the routing written by
-    program (0, 0) for the down kernel."""
+    scaling), the token's (logits [E] f32, bias [E] f32): the programs select the experts themselves (expert_of),
+    pairs = k + 1 (the last the shared expert), and the call returns (act, ids [KP] int32, weights [KP] f32), the
+    routing for the down kernel."""
     progs, steps = nv._dims(2 * inter, K, q)
     n_experts = codes_m.shape[0] // (progs * steps * 64) - 1
     pairs = route["k"] + 1 if route else experts.shape[0]
@@ -166,30 +171,39 @@ def mosaic_gate_up(xcols: jax.Array, experts, codes_m: jax.Array, scales_m: jax.
     if route:
         out_type += [jax.ShapeDtypeStruct((KP,), jnp.int32), jax.ShapeDtypeStruct((KP,), jnp.float32)]
         scratch += [plgpu.SMEM((n_experts,), jnp.float32), plgpu.SMEM((n_experts,), jnp.float32),
-                    plgpu.Barrier(num_arrivals=2)]
+                    plgpu.SMEM((KP,), jnp.int32), plgpu.Barrier(num_arrivals=2)]
 
-    def expert_of(p, e_refs, ids_out, w_out, lg_smem, b_smem, bar):
-        """Pair p's expert id; with route, the top-k from the logits (and program (0, 0) writes the routing)."""
+    def expert_of(p, e_refs, ids_out, w_out, lg_smem, b_smem, ids_smem, bar):
+        """Pair p's expert id. With route: p + 1 rounds of top_k_round for routed pair p (its slot's expert is the
+        last pick), none for the shared pair; the program of pair k - 1 and block 0, which has all k picks, writes
+        the routing."""
         if not route:
             return e_refs[0][p]
+        k = route["k"]
         plgpu.copy_gmem_to_smem(e_refs[0], lg_smem, bar)
         plgpu.copy_gmem_to_smem(e_refs[1], b_smem, bar)
         plgpu.barrier_wait(bar)
-        ids, weights = select_top_k(lg_smem[...], b_smem[...], route["k"], route["norm"], route["scaling"])
+        sig = jax.nn.sigmoid(lg_smem[...])
+        iota = lax.broadcasted_iota(jnp.int32, (n_experts,), 0)
 
-        @pl.when((p == 0) & (lax.axis_index("i") == 0))
+        def one_round(r, carry):
+            pick, score = top_k_round(carry[1], iota)
+            ids_smem[r] = pick
+            return pick, score
+
+        pick, _ = lax.fori_loop(0, jnp.where(p < k, p + 1, 0), one_round, (jnp.int32(0), sig + b_smem[...]))
+
+        @pl.when((p == k - 1) & (lax.axis_index("i") == 0))
         def _():
-            for s, (e, w) in enumerate(zip(ids, weights())):
+            ids = [ids_smem[s] for s in range(k)]
+            for s, (e, w) in enumerate(zip(ids, routing_weights(sig, iota, ids, route["norm"], route["scaling"]))):
                 ids_out[s] = e
                 w_out[s] = w
-            for s in range(route["k"], KP):
+            for s in range(k, KP):
                 ids_out[s] = jnp.int32(0)
                 w_out[s] = jnp.float32(0)
 
-        e = jnp.int32(n_experts)  # the shared expert's pair
-        for s, pick in enumerate(ids):
-            e = jnp.where(p == s, pick, e)
-        return e
+        return jnp.where(p < k, pick, jnp.int32(n_experts))
 
     @functools.partial(plgpu.kernel, out_type=out_type, grid=(pairs, progs), grid_names=("p", "i"),
                        scratch_types=scratch)
@@ -198,7 +212,7 @@ def mosaic_gate_up(xcols: jax.Array, experts, codes_m: jax.Array, scales_m: jax.
         e_refs, (x_gmem, c_gmem, s_gmem, gs_gmem, o_gmem) = refs[:n_in], refs[n_in:n_in + 5]
         ids_out, w_out, red_smem, *route_scratch = refs[n_in + 5:] if route else (None, None, *refs[n_in + 5:])
         p, i = lax.axis_index("p"), lax.axis_index("i")
-        e = expert_of(p, e_refs, ids_out, w_out, *(route_scratch or [None] * 3))
+        e = expert_of(p, e_refs, ids_out, w_out, *(route_scratch or [None] * 4))
         first = (e * progs + i) * steps  # expert e's program i's first pipeline step in the stacked layout
 
         @functools.partial(pl.run_scoped, acc=plgpu.ACC((64, nv.columns(q)), jnp.float32))
