@@ -276,9 +276,10 @@ def row_total(red_ref, n, *, q: int):
     return total
 
 
-def _finish(ctx, acc, red_ref, gs_ref, o_ref, res_ref=None, *, q: int):
+def _finish(ctx, acc, red_ref, gs_ref, o_ref, res_ref=None, *, q: int, end_barrier: bool = False):
     """inline_mgpu body: out[n] = bf16(sum_s acc[n * q + s, s] * global_scale) for the program's 64/q rows; with a
-    residual, out[n] = bf16(res[n] + that) (layers' rounding points: the linear output rounded, then the sum)."""
+    residual, out[n] = bf16(res[n] + that) (layers' rounding points: the linear output rounded, then the sum).
+    end_barrier: a warpgroup barrier after the reads of red_ref (a persistent program reuses it for its next rows)."""
     del ctx
     from jax._src.lib.mlir import ir  # noqa: PLC0415
     from jax._src.lib.mlir.dialects import arith, memref  # noqa: PLC0415
@@ -292,15 +293,20 @@ def _finish(ctx, acc, red_ref, gs_ref, o_ref, res_ref=None, *, q: int):
         if res_ref is not None:
             y = arith.truncf(bf16, arith.addf(arith.extf(f32, memref.load(res_ref, [idx(tid)])), arith.extf(f32, y)))
         memref.store(y, o_ref, [idx(tid)])
+    if end_barrier:
+        mu.warpgroup_barrier()
 
 
 def mosaic_gemv_nvfp4(xcols: jax.Array, codes_m: jax.Array, scales_m: jax.Array, global_scale: jax.Array, *,
                       N: int, K: int, q: int = Q, stages: int = 4, overlap: bool = False,
                       skip_decode: bool = False, sub: int = 1, natural: bool = False,
-                      residual: jax.Array | None = None) -> jax.Array:
+                      residual: jax.Array | None = None, programs: int | None = None) -> jax.Array:
     """y [N] BF16 = bf16(x W^T * global_scale) from the kernel layout (mosaic_layout, x_columns with the same q).
     natural: natural_layout's operands and x_natural(x, q) (global_scale: the layout's, x 2^63).
     residual [N] BF16: y = bf16(residual + bf16(x W^T * global_scale)), added in the epilogue.
+    programs: a persistent grid of that many programs, each taking row blocks p, p + programs, ... through ONE
+    pipeline (the next block's tiles load while this block finishes; the accumulator is read and zeroed at each
+    block's last step), instead of one program per row block with its own pipeline ramp.
     overlap: let a step's wgmma run while the next step decodes (wgmma_wait(1); x's buffer released a step late).
     sub: 64-byte decode steps per pipeline step (bigger TMA copies; codes_m from mosaic_layout(w, q, sub))."""
     progs, steps = _dims(N, K, q)
@@ -316,32 +322,50 @@ def mosaic_gemv_nvfp4(xcols: jax.Array, codes_m: jax.Array, scales_m: jax.Array,
                                                                   layout=plgpu.Layout.WGMMA))(
         functools.partial(_decode_tile, skip=skip_decode, natural=natural))
     finish = plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,) + (plgpu.RefType(),) * (3 + (residual is not None)))(
-        functools.partial(_finish, q=q))
+        functools.partial(_finish, q=q, end_barrier=programs is not None))
+    if programs is not None and progs % programs:
+        raise ValueError(f"{progs} row blocks do not split over {programs} persistent programs")
+    blocks = 1 if programs is None else progs // programs
     x_spec = dict(delay_release=1) if overlap and steps > 1 else {}
 
-    @functools.partial(plgpu.kernel, out_type=jax.ShapeDtypeStruct((N,), jnp.bfloat16), grid=(progs,),
-                       grid_names=("i",), scratch_types=[plgpu.SMEM((64,), jnp.float32)])
+    @functools.partial(plgpu.kernel, out_type=jax.ShapeDtypeStruct((N,), jnp.bfloat16),
+                       grid=(progs if programs is None else programs,), grid_names=("i",),
+                       scratch_types=[plgpu.SMEM((64,), jnp.float32)])
     def kernel(x_gmem, c_gmem, s_gmem, gs_gmem, *rest):
         *res_gmem, o_gmem, red_smem = rest
-        i = lax.axis_index("i")
+        pid = lax.axis_index("i")
+
+        def block_of(b):
+            return pid if programs is None else pid + b * programs
+
+        def finish_block(acc, b):
+            i = block_of(b)
+            finish(acc[...], red_smem, gs_gmem, o_gmem.at[pl.ds(i * r, r)],
+                   *[res.at[pl.ds(i * r, r)] for res in res_gmem])
 
         @functools.partial(pl.run_scoped, acc=plgpu.ACC((64, columns(q)), jnp.float32))
         def _(acc):
-            def step(_, c_smem, s_smem, x_smem):
+            def step(idx, c_smem, s_smem, x_smem):
+                b, t = idx
                 for u in range(sub):
                     a = decode(c_smem.at[:, pl.ds(u * STEP_BYTES, STEP_BYTES)], s_smem.at[pl.ds(2 * u, 2), :])
                     plgpu.wgmma(acc, a, x_smem.at[:, pl.ds(u * tile_k, tile_k)].transpose((1, 0)))
                     plgpu.wgmma_wait(1 if overlap else 0)
+                if programs is not None:
+                    @pl.when(t == steps - 1)
+                    def _():
+                        finish_block(acc, b)  # acc[...] waits for the last wgmma
+                        acc[...] = jnp.zeros((64, columns(q)), jnp.float32)
 
-            plgpu.emit_pipeline(step, grid=(steps,), max_concurrent_steps=max(stages, 2 if x_spec else 1),
+            plgpu.emit_pipeline(step, grid=(blocks, steps), max_concurrent_steps=max(stages, 2 if x_spec else 1),
                                 in_specs=[
-                plgpu.BlockSpec((64, sub * STEP_BYTES), lambda t: (i * steps + t, 0)),
-                plgpu.BlockSpec((2 * sub, 256), lambda t: (i * steps + t, 0)),
-                plgpu.BlockSpec((columns(q), sub * tile_k), lambda t: (0, t), transforms=k_major, **x_spec)],
+                plgpu.BlockSpec((64, sub * STEP_BYTES), lambda b, t: (block_of(b) * steps + t, 0)),
+                plgpu.BlockSpec((2 * sub, 256), lambda b, t: (block_of(b) * steps + t, 0)),
+                plgpu.BlockSpec((columns(q), sub * tile_k), lambda b, t: (0, t), transforms=k_major, **x_spec)],
             )(c_gmem, s_gmem, x_gmem)
-            plgpu.wgmma_wait(0)
-            finish(acc[...], red_smem, gs_gmem, o_gmem.at[pl.ds(i * r, r)],
-                   *[res.at[pl.ds(i * r, r)] for res in res_gmem])
+            if programs is None:
+                plgpu.wgmma_wait(0)
+                finish_block(acc, 0)
 
     extra = [] if residual is None else [residual.reshape(N).astype(jnp.bfloat16)]
     return kernel(xcols, codes_m, scales_m, global_scale.reshape(1).astype(jnp.float32), *extra)
@@ -414,14 +438,16 @@ def mosaic_linear_nvfp4(x: jax.Array, w: nvfp4.NVFP4Weight, layout=None, q: int 
 
 def parse_variant(v: str) -> dict:
     """'q16_st4_s2_ov_nd' -> mosaic_gemv_nvfp4 keywords: q K-segments, st pipeline depth, s sub-steps per pipeline
-    step, ov wgmma overlap, nd no decode (a diagnostic), nat natural_layout and x_natural; 'res' (the residual
-    epilogue) is main's to handle and not returned."""
+    step, ov wgmma overlap, nd no decode (a diagnostic), nat natural_layout and x_natural, p<n> n persistent
+    programs; 'res' (the residual epilogue) is main's to handle and not returned."""
     parts = v.split("_")
     kw = dict(q=int(parts[0][1:]), stages=int(parts[1][2:]), sub=1, overlap="ov" in parts, skip_decode="nd" in parts,
               natural="nat" in parts)
     for part in parts[2:]:
         if part.startswith("s") and part[1:].isdigit():
             kw["sub"] = int(part[1:])
+        elif part.startswith("p") and part[1:].isdigit():
+            kw["programs"] = int(part[1:])
         elif part not in ("ov", "nd", "nat", "res"):
             raise ValueError(f"variant {v!r}: unknown part {part!r}")
     return kw
