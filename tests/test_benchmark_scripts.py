@@ -194,3 +194,17 @@ def test_check_layer_stack_tiny():
     """The full-shape layout check's CPU smoke run: stacked and per-layer parameters agree bit for bit there."""
     out = run_script("check_layer_stack.py", "--tiny")
     assert "prefill (last token): bit-identical True" in out and "decode: bit-identical True" in out
+
+
+def test_mosaic_nvfp4_probes_lower_for_cuda(tmp_path):
+    """The hand-written NVFP4 decode kernels lower for CUDA on the CPU: the GEMV with x as written, a residual and a
+    persistent grid; the MoE gate/up with its in-kernel top-k (the layouts and arithmetic are emulated in
+    tests/test_mosaic_*_probe.py)."""
+    run_script("probe_mosaic_nvfp4.py", "--out", str(tmp_path / "nv"), "--lower-only", "--shapes", "o_proj",
+               "--variants", "q8_st4_ov_nat_res_p128,q4_st4_nat")
+    nv = json.loads((tmp_path / "nv" / "probe_mosaic_nvfp4.json").read_text())["shapes"]["o_proj"]
+    assert nv["q8_st4_ov_nat_res_p128"]["lowered_chars"] > 0
+    assert "q >= 8" in nv["q4_st4_nat"]["error"]
+    run_script("probe_mosaic_moe.py", "--out", str(tmp_path / "moe"), "--lower-only", "--variants", "q8_st4_nat_rt")
+    moe = json.loads((tmp_path / "moe" / "probe_mosaic_moe.json").read_text())
+    assert moe["experts"] == 256 and moe["variants"]["q8_st4_nat_rt"]["lowered_chars"] > 0
