@@ -66,36 +66,23 @@ and.b32 y, y, 0x80008000;
 or.b32 x, x, y;
 mul.rn.bf16x2 $0, x, $2;
 }}"""
+
+
+def _scale_ptx(src: str, packs: tuple[str, ...]) -> str:
+    """PTX: two E4M3 bytes in `src` -> each x 2^63 in FP32 (flo, fhi; exact), packed into bf16x2 registers by the
+    `cvt.rn.bf16x2.f32` operand lists in `packs`."""
+    return ("{\n.reg .b32 h;\n.reg .b16 lo, hi;\n.reg .f32 flo, fhi;\n"
+            f"cvt.rn.f16x2.e4m3x2 h, {src};\nmov.b32 {{lo, hi}}, h;\n"
+            "cvt.f32.f16 flo, lo;\ncvt.f32.f16 fhi, hi;\n"
+            "mul.rn.f32 flo, flo, 0f5F000000;\nmul.rn.f32 fhi, fhi, 0f5F000000;\n"
+            + "".join(f"cvt.rn.bf16x2.f32 {p};\n" for p in packs) + "}")
+
+
 # Two E4M3 bytes (low: the low nibbles' group, high: the high nibbles') -> bf16x2 of each x 2^63, exactly.
-SCALE_PTX = """{
-.reg .b32 h;
-.reg .b16 lo, hi;
-.reg .f32 flo, fhi;
-cvt.rn.f16x2.e4m3x2 h, $1;
-mov.b32 {lo, hi}, h;
-cvt.f32.f16 flo, lo;
-cvt.f32.f16 fhi, hi;
-mul.rn.f32 flo, flo, 0f5F000000;
-mul.rn.f32 fhi, fhi, 0f5F000000;
-cvt.rn.bf16x2.f32 $0, fhi, flo;
-}"""
-
-
+SCALE_PTX = _scale_ptx("$1", ("$0, fhi, flo",))
 # Two E4M3 bytes -> two bf16x2 registers, (lo, lo) and (hi, hi), each scale x 2^63, exactly: the natural layout's
 # scale is shared by both values of a register (one 16-value group spans two registers' columns).
-SCALE_BCAST_PTX = """{
-.reg .b32 h;
-.reg .b16 lo, hi;
-.reg .f32 flo, fhi;
-cvt.rn.f16x2.e4m3x2 h, $2;
-mov.b32 {lo, hi}, h;
-cvt.f32.f16 flo, lo;
-cvt.f32.f16 fhi, hi;
-mul.rn.f32 flo, flo, 0f5F000000;
-mul.rn.f32 fhi, fhi, 0f5F000000;
-cvt.rn.bf16x2.f32 $0, flo, flo;
-cvt.rn.bf16x2.f32 $1, fhi, fhi;
-}"""
+SCALE_BCAST_PTX = _scale_ptx("$2", ("$0, flo, flo", "$1, fhi, fhi"))
 
 
 def columns(q: int) -> int:
@@ -460,8 +447,10 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=49)
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--variants", default="q4_st4,q8_st4,q16_st4,q8_st4_ov,q16_st4_ov",
-                    help="comma list of [mix_]q<K segments>_st<pipeline depth>[_s<sub>][_ov][_nd] (ov: wgmma_wait(1) "
-                         "overlap; nd: no decode, A = 0, a diagnostic; mix: odd layers run the Triton gemv)")
+                    help="comma list of [mix_]q<K segments>_st<pipeline depth>[_s<sub>][_ov][_nd][_nat][_res][_p<n>] "
+                         "(ov: wgmma_wait(1) overlap; nd: no decode, A = 0, a diagnostic; nat: x as written "
+                         "(natural_layout); res: residual epilogue; p<n>: n persistent programs; mix: odd layers run "
+                         "the Triton gemv)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--trace-dir", default="/tmp/probe_mosaic_nvfp4_traces")
     ap.add_argument("--lower-only", action="store_true")
