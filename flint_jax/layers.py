@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flint_jax import nvfp4
 from flint_jax.config import FlintConfig
 from flint_jax.nvfp4 import NVFP4Weight
+from flint_jax.nvfp4_tiles import NVFP4Tiles, unpack
 from flint_jax.params import Linear
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -213,6 +214,8 @@ def mlp_block(h: jax.Array, layer, cfg: FlintConfig) -> jax.Array:
 
 def logits_from_hidden(h: jax.Array, final_norm: jax.Array, lm_head: Linear, eps: float) -> jax.Array:
     """FP32 logits: `rmsnorm(h) @ W_lm.T` with an FP32 accumulator (not rounded to BF16)."""
+    if isinstance(lm_head, NVFP4Tiles):  # the Pallas path's tiled head (pallas_path.engine_layout), read back
+        lm_head = unpack(lm_head)
     x = rmsnorm(h, final_norm, eps)
     acc = jnp.einsum("...k,nk->...n", x, weight_values(lm_head), preferred_element_type=F32)
     if isinstance(lm_head, NVFP4Weight):

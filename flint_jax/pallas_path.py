@@ -121,27 +121,59 @@ def _decode_mlp(h, layer, cfg):
     return _kernels()["decode_mlp"](h[:, 0], layer, cfg, interpret=_interpret())[:, None]
 
 
-# The LM-head kernel (gemv.gemv_logits, final norm fused) runs for NVFP4 heads at up to LM_HEAD_KERNEL_MAX_ROWS rows
-# (FMA path) and from gemv.TABLE_DOT_MIN_ROWS rows on (tensor-core path), where it was measured ahead of XLA, which
-# first writes a 620 MB BF16 copy of the 175 MB NVFP4 head. On the H200 (docs/BENCHMARKS.md): 2.75x faster than XLA
-# at one row (run J); at 8 rows 120 us against XLA's 381 us (convert, concatenate, GEMM), served step 6.507 ->
-# 6.250 ms at 8K (run BL); 5-7 rows run the same kernel on x padded to 8 rows (not timed). 3-4 rows were not
-# measured and stay on XLA; so do BF16 heads (XLA's GEMM is as fast).
+# The LM head. An NVFP4 head tiled for the Mosaic GPU kernel (engine_layout) runs `mosaic_nvfp4.lm_head_logits`
+# for every row count (8 rows per launch; the final norm is one XLA fusion before it): 59.6 us for Flint's head
+# against 80.3 us for the Triton `gemv_logits` (run DA, docs/BENCHMARKS.md). Untiled NVFP4 heads run
+# gemv.gemv_logits (final norm fused) at up to LM_HEAD_KERNEL_MAX_ROWS rows (FMA path) and from
+# gemv.TABLE_DOT_MIN_ROWS rows on (tensor-core path), where it was measured ahead of XLA, which first writes a 620 MB
+# BF16 copy of the 175 MB NVFP4 head: 2.75x faster than XLA at one row (run J); at 8 rows 120 us against XLA's
+# 381 us (convert, concatenate, GEMM), served step 6.507 -> 6.250 ms at 8K (run BL); 5-7 rows run the same kernel
+# on x padded to 8 rows (not timed). 3-4 rows were not measured and stay on XLA; so do BF16 heads (XLA's GEMM is as
+# fast).
 LM_HEAD_KERNEL_MAX_ROWS = 2
 
 
 def lm_head_kernel_rows(rows: int) -> bool:
-    """Whether an NVFP4 LM head of `rows` rows runs the kernel (the rule above)."""
+    """Whether an untiled NVFP4 LM head of `rows` rows runs the Triton kernel (the rule above)."""
     from flint_jax.pallas_kernels import gemv, weight_tiles
     dot_from = gemv.TABLE_DOT_MIN_ROWS  # compared, as gemv does, with the rows padded to a power of two
     return rows <= LM_HEAD_KERNEL_MAX_ROWS or (dot_from is not None and weight_tiles.pow2_rows(rows) >= dot_from)
 
 
+def engine_layout(params, delete: bool = False, progress=None, tile_lm_head: bool | None = None):
+    """The parameters as the Pallas decode path runs fastest on them: the layers stacked
+    (`layer_stack.stack_layers`: ~190 buffers per decode call for Flint instead of ~1,930) and an NVFP4 LM head
+    tiled for the Mosaic GPU kernel (`nvfp4_tiles.pack`, lossless; by default on a GPU backend, where the kernel
+    is compiled; `model.lm_logits(impl="xla")` reads the tiles back). delete: free the arrays that were copied (the
+    `params` passed in are unusable afterwards)."""
+    import dataclasses
+    from flint_jax import nvfp4_tiles
+    from flint_jax.layer_stack import stack_layers
+    from flint_jax.nvfp4 import NVFP4Weight
+    sp = stack_layers(params, delete=delete, progress=progress)
+    tile = jax.default_backend() == "gpu" if tile_lm_head is None else tile_lm_head
+    head = sp.lm_head
+    if tile and isinstance(head, NVFP4Weight) and nvfp4_tiles.supports(head.shape):
+        tiles = jax.jit(nvfp4_tiles.pack)(head)
+        if delete:
+            jax.block_until_ready(tiles)
+            for a in (head.codes, head.scales):
+                if isinstance(a, jax.Array) and a is not sp.embed and not a.is_deleted():
+                    a.delete()
+        sp = dataclasses.replace(sp, lm_head=tiles)
+    return sp
+
+
 def lm_logits(params, h, cfg):
     """`model.lm_logits` on the Pallas path: FP32 logits of h [..., H]."""
     from flint_jax.nvfp4 import NVFP4Weight
+    from flint_jax.nvfp4_tiles import NVFP4Tiles
     lead = h.shape[:-1]
     rows = math.prod(lead)
+    if isinstance(params.lm_head, NVFP4Tiles):
+        from flint_jax.pallas_kernels import mosaic_nvfp4
+        x = L.rmsnorm(h.reshape(rows, h.shape[-1]), params.final_norm, cfg.rms_norm_eps)
+        return mosaic_nvfp4.lm_head_logits(x, params.lm_head, interpret=_interpret()).reshape(*lead, -1)
     if not isinstance(params.lm_head, NVFP4Weight) or not lm_head_kernel_rows(rows):
         return L.logits_from_hidden(h, params.final_norm, params.lm_head, cfg.rms_norm_eps)
     from flint_jax.pallas_kernels import gemv

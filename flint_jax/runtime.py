@@ -46,12 +46,13 @@ def runtime_from_path(path: str) -> Runtime:
 
 
 def engine_params(rt: Runtime, impl: str):
-    """The parameters an Engine with `impl` runs on: for "pallas" the layers stacked into a few buffers
-    (flint_jax.layer_stack: ~190 buffers per decode call for Flint instead of ~1,930, which the host hands over on
-    every step), consuming the runtime's per-layer arrays unless they are shared, so a model that fills the device
-    is not held twice; the XLA reference keeps the per-layer arrays (slices of stacks would be copies there)."""
+    """The parameters an Engine with `impl` runs on: for "pallas" `pallas_path.engine_layout`, the layers stacked
+    into a few buffers (flint_jax.layer_stack: ~190 buffers per decode call for Flint instead of ~1,930, which the
+    host hands over on every step) and an NVFP4 LM head tiled for its Mosaic GPU kernel on a GPU, consuming the
+    runtime's per-layer arrays unless they are shared, so a model that fills the device is not held twice; the XLA
+    reference keeps the per-layer arrays (slices of stacks would be copies there)."""
     if impl != "pallas":
         return rt.params
-    from flint_jax.layer_stack import stack_layers
-    rt.params = stack_layers(rt.params, delete=not rt.params_shared)
+    from flint_jax.pallas_path import engine_layout
+    rt.params = engine_layout(rt.params, delete=not rt.params_shared)
     return rt.params

@@ -46,7 +46,8 @@ from flint_jax import device_trace  # noqa: E402
 from flint_jax import engine as E  # noqa: E402
 from flint_jax import model as M  # noqa: E402
 from flint_jax.config import FlintConfig  # noqa: E402
-from flint_jax.layer_stack import StackedParams, stack_layers  # noqa: E402
+from flint_jax.layer_stack import StackedParams  # noqa: E402
+from flint_jax.pallas_path import engine_layout  # noqa: E402
 from flint_jax.params import init_params, weight_bytes_per_token  # noqa: E402
 from flint_jax.state import FullCache, KVState, RingCache, kv_bytes_read, stack_caches  # noqa: E402
 
@@ -270,7 +271,7 @@ def main(argv=None) -> int:
             stacked_caches = layout == "stacked_caches"
             if layout and not isinstance(params, StackedParams):
                 t = time.time()
-                params = stack_layers(params, delete=True)
+                params = engine_layout(params, delete=True)
                 jax.block_until_ready(params)
                 log(f"{weights}: layers stacked into {len(params.stacks)} buffers in {time.time() - t:.1f}s")
             layout = ("stacked" if isinstance(params, StackedParams) else "layers") + ("+caches" if stacked_caches

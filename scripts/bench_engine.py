@@ -36,7 +36,8 @@ from bench_decode import log  # noqa: E402
 from flint_jax import device_trace  # noqa: E402
 from flint_jax.config import FlintConfig  # noqa: E402
 from flint_jax.engine import Engine  # noqa: E402
-from flint_jax.layer_stack import StackedParams, stack_layers  # noqa: E402
+from flint_jax.layer_stack import StackedParams  # noqa: E402
+from flint_jax.pallas_path import engine_layout  # noqa: E402
 from flint_jax.params import init_params  # noqa: E402
 from flint_jax.sampling import SamplingParams  # noqa: E402
 
@@ -166,7 +167,7 @@ def main(argv=None) -> int:
     for steps, overlap, layout in variants:
         if layout != "layers" and not isinstance(params, StackedParams):
             t = time.time()
-            params = stack_layers(params, delete=True)
+            params = engine_layout(params, delete=True)
             jax.block_until_ready(params)
             log(f"layers stacked: {len(params.stacks)} stacks in {time.time() - t:.1f}s")
         engine = Engine(cfg, params, max_batch=1, max_len=max_len, chunk_size=min(args.prompt_tokens, 8192),

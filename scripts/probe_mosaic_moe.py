@@ -150,7 +150,7 @@ def mosaic_gate_up(xcols: jax.Array, experts, codes_m: jax.Array, scales_m: jax.
     scaling), the token's (logits [E] f32, bias [E] f32): the programs select the experts themselves (expert_of),
     pairs = k + 1 (the last the shared expert), and the call returns (act, ids [KP] int32, weights [KP] f32), the
     routing for the down kernel."""
-    progs, steps = nv._dims(2 * inter, K, q)
+    progs, steps = nv.dims(2 * inter, K, q)
     n_experts = codes_m.shape[0] // (progs * steps * 64) - 1
     pairs = route["k"] + 1 if route else experts.shape[0]
     if route and n_experts % 128:
@@ -162,7 +162,7 @@ def mosaic_gate_up(xcols: jax.Array, experts, codes_m: jax.Array, scales_m: jax.
     decode = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()),
                                return_type=plgpu.ShapeDtypeStruct((64, tile_k), jnp.bfloat16,
                                                                   layout=plgpu.Layout.WGMMA))(
-        functools.partial(nv._decode_tile, natural=natural))
+        functools.partial(nv.decode_tile, natural=natural))
     finish = plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(), plgpu.RefType(),
                                           plgpu.RefType()))(functools.partial(_finish_swiglu, q=q))
     x_spec = dict(delay_release=1) if overlap and steps > 1 else {}
@@ -242,7 +242,7 @@ def emulate_gate_up(xcols, ids, codes_m, scales_m, gs, *, inter: int, K: int, q:
                     natural: bool = False) -> np.ndarray:
     """mosaic_gate_up in NumPy: per pair, probe_mosaic_nvfp4.emulate_rows on the expert's tiles, then the
     epilogue's scales, roundings and SwiGLU. -> [pairs, inter] float32 (BF16 values)."""
-    progs, steps = nv._dims(2 * inter, K, q)
+    progs, steps = nv.dims(2 * inter, K, q)
     half = 32 // q
     rows, srows = progs * steps * 64, progs * steps * 2
     cm, sm, g = np.asarray(codes_m), np.asarray(scales_m), np.asarray(gs, np.float32)

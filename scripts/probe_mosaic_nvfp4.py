@@ -41,92 +41,29 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import flint_jax  # noqa: E402,F401  (XLA flags first)
-from flint_jax import device_trace, nvfp4, pallas_path  # noqa: E402
+from flint_jax import device_trace, nvfp4, nvfp4_tiles, pallas_path  # noqa: E402
 from flint_jax import layers as L  # noqa: E402
 from flint_jax.pallas_kernels import gemv as triton_gemv  # noqa: E402
+from flint_jax.pallas_kernels import mosaic_nvfp4 as mn  # noqa: E402
+from flint_jax.pallas_kernels.mosaic_nvfp4 import (X_SHIFT, columns, decode_tile, decoded_byte,  # noqa: E402,F401
+                                                   thread_coords)
+from flint_jax.nvfp4_tiles import STEP_BYTES, dims  # noqa: E402
 
 Q = 4  # default K segments per output row; A has R * Q = 64 rows (wgmma's M), so R = 64 // Q output rows per program
 COLS = 16  # the most x segment columns (wgmma's N); a kernel uses columns(q) of them
-STEP_BYTES = 64  # code bytes per A row per pipeline step: 128 wgmma K positions
-X_SHIFT = 63  # x is scaled by 2^63 and the scales by 2^63; the decoded code is E2M1 x 2^-126 (see DECODE_PTX)
-SHAPES = {"o_proj": (2048, 4096), "qkv": (5120, 2048)}
-
-# Byte `k` of word $1 -> bf16x2 [E2M1(low nibble), E2M1(high nibble)] x E4M3 pair $2 (both x 2^63).
-# b * 0x00040040 moves the low nibble's magnitude bits 0-2 to 6-8 and the high nibble's 4-6 to 22-24 (no carries
-# between the two terms); b * 0x01001000 moves the signs (bits 3, 7) to 15 and 31. The bf16 pattern
-# (m << 6 | s << 15) is E2M1 x 2^-126 (code 1, 0.5, is the subnormal 2^-127), and the bf16x2 multiply by
-# E4M3 x 2^63 makes it E2M1 x E4M3 x 2^-63: exact (6 significant bits, exponents inside BF16's normal range).
-DECODE_PTX = """{{
-.reg .b32 b, x, y;
-bfe.u32 b, $1, {shift}, 8;
-mul.lo.u32 x, b, 0x00040040;
-and.b32 x, x, 0x01C001C0;
-mul.lo.u32 y, b, 0x01001000;
-and.b32 y, y, 0x80008000;
-or.b32 x, x, y;
-mul.rn.bf16x2 $0, x, $2;
-}}"""
-
-
-def _scale_ptx(src: str, packs: tuple[str, ...]) -> str:
-    """PTX: two E4M3 bytes in `src` -> each x 2^63 in FP32 (flo, fhi; exact), packed into bf16x2 registers by the
-    `cvt.rn.bf16x2.f32` operand lists in `packs`."""
-    return ("{\n.reg .b32 h;\n.reg .b16 lo, hi;\n.reg .f32 flo, fhi;\n"
-            f"cvt.rn.f16x2.e4m3x2 h, {src};\nmov.b32 {{lo, hi}}, h;\n"
-            "cvt.f32.f16 flo, lo;\ncvt.f32.f16 fhi, hi;\n"
-            "mul.rn.f32 flo, flo, 0f5F000000;\nmul.rn.f32 fhi, fhi, 0f5F000000;\n"
-            + "".join(f"cvt.rn.bf16x2.f32 {p};\n" for p in packs) + "}")
-
-
-# Two E4M3 bytes (low: the low nibbles' group, high: the high nibbles') -> bf16x2 of each x 2^63, exactly.
-SCALE_PTX = _scale_ptx("$1", ("$0, fhi, flo",))
-# Two E4M3 bytes -> two bf16x2 registers, (lo, lo) and (hi, hi), each scale x 2^63, exactly: the natural layout's
-# scale is shared by both values of a register (one 16-value group spans two registers' columns).
-SCALE_BCAST_PTX = _scale_ptx("$2", ("$0, flo, flo", "$1, fhi, fhi"))
-
-
-def columns(q: int) -> int:
-    """wgmma's N for q K-segments: q columns, at least 8 (the smallest N)."""
-    return max(8, q)
-
-
-def _dims(N: int, K: int, q: int) -> tuple[int, int]:
-    """(programs, pipeline steps) for a weight [N, K] in q K-segments."""
-    if q not in (1, 2, 4, 8, 16):
-        raise ValueError(f"K segments q={q}: must be a power of two <= {COLS}")
-    r = 64 // q
-    if N % r or K % (2 * q * STEP_BYTES):
-        raise ValueError(f"NVFP4 weight [{N}, {K}]: needs N % {r} == 0 and K % {2 * q * STEP_BYTES} == 0 (q={q})")
-    return N // r, K // 2 // q // STEP_BYTES
+SHAPES = {"o_proj": (2048, 4096), "qkv": (5120, 2048), "lm_head": (151552, 2048), "dense_gate_up": (20480, 2048),
+          "dense_down": (2048, 10240)}
 
 
 def mosaic_layout(w: nvfp4.NVFP4Weight, q: int = Q, sub: int = 1) -> tuple[jax.Array, jax.Array]:
-    """The kernel's weight layout (what a converter would write): per (program i, step t) a [64, 64] code tile, row
-    m = n * q + s holding bytes s * K/(2q) + 64 t + [0, 64) of output row i * R + n (R = 64 / q), and 512 scale bytes
-    ordered (n, s, j, e): the scale of group e * K/32 + s * K/(32q) + 4 t + j (j: the thread's 16 bytes of the row;
-    e: the low or high nibbles). Returns (codes [N/R * steps * 64, 64], scales [N/R * steps * 2, 256]) uint8.
-    sub > 1 puts `sub` consecutive steps' code tiles side by side: codes [N/R * steps/sub * 64, 64 sub]."""
-    N, half = w.codes.shape
-    progs, steps = _dims(N, 2 * half, q)
-    if steps % sub:
-        raise ValueError(f"{steps} steps of {STEP_BYTES} code bytes do not group by sub={sub}")
-    r = 64 // q
-    codes = w.codes.reshape(progs, r, q, steps, STEP_BYTES).transpose(0, 3, 1, 2, 4)
-    sb = lax.bitcast_convert_type(w.scales, jnp.uint8).reshape(progs, r, 2, q, steps, 4)  # [i, n, e, s, t, j]
-    scales = sb.transpose(0, 4, 1, 3, 5, 2)  # [i, t, n, q, j, e]
-    codes = codes.reshape(progs, steps // sub, sub, 64, STEP_BYTES).transpose(0, 1, 3, 2, 4)
-    return codes.reshape(progs * steps // sub * 64, sub * STEP_BYTES), scales.reshape(progs * steps * 2, 256)
+    """The kernel's weight layout (flint_jax/nvfp4_tiles.py): (codes [N/R * steps/sub * 64, 64 sub], scales
+    [N/R * steps * 2, 256]) uint8."""
+    return nvfp4_tiles.tile_arrays(w, q, sub)
 
 
 def x_columns(x: jax.Array, q: int = Q) -> jax.Array:
-    """x [1, K] -> B^T [columns(q), K/q] BF16: row s is segment s of x times 2^63, in the order of the decoded A
-    columns: position t * 128 + 8 c + 2 j + e holds x[e * K/2 + s * K/(2q) + 64 t + 16 j + c]. Rows s >= q are zero."""
-    K = x.shape[-1]
-    steps = K // 2 // q // STEP_BYTES
-    xs = (x.reshape(K).astype(jnp.float32) * 2.0 ** X_SHIFT).astype(jnp.bfloat16)
-    xv = xs.reshape(2, q, steps, 4, 16)  # [e, s, t, j, c]
-    cols = xv.transpose(1, 2, 4, 3, 0).reshape(q, K // q)  # [s, (t, c, j, e)]
-    return jnp.zeros((columns(q), K // q), jnp.bfloat16).at[:q].set(cols)
+    """x [1, K] -> B^T [columns(q), K/q] (mosaic_nvfp4.x_columns)."""
+    return mn.x_columns(x, q)
 
 
 def natural_layout(w: nvfp4.NVFP4Weight, q: int = Q) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -137,7 +74,7 @@ def natural_layout(w: nvfp4.NVFP4Weight, q: int = Q) -> tuple[jax.Array, jax.Arr
     -> (codes [N/R * steps * 64, 64], scales [N/R * steps * 2, 256] uint8, global scale x 2^63 [1] f32)."""
     N, half = w.codes.shape
     K = 2 * half
-    progs, steps = _dims(N, K, q)
+    progs, steps = dims(N, K, q)
     r = 64 // q
     nib = nvfp4.unpack_codes(w.codes).reshape(progs, r, q, steps, 16, 4, 2)  # [i, n, s, t, c, j, e]
     byte = (nib[..., 0] | (nib[..., 1] << 4)).astype(jnp.uint8).transpose(0, 3, 1, 2, 5, 4)  # [i, t, n, s, j, c]
@@ -153,74 +90,6 @@ def x_natural(x: jax.Array, q: int = Q) -> jax.Array:
     return x.reshape(q, x.shape[-1] // q).astype(jnp.bfloat16)
 
 
-def _thread_coords():
-    """(i32 constant maker, index cast, thread id in the warpgroup, j = lane % 4, row0): in wgmma's register fragment
-    this thread holds rows row0 and row0 + 8 and, in every 8-column block, columns 2 j and 2 j + 1."""
-    from jax._src.lib.mlir import ir  # noqa: PLC0415  (GPU lowering only)
-    from jax._src.lib.mlir.dialects import arith  # noqa: PLC0415
-    from jax.experimental.mosaic.gpu import utils as mu  # noqa: PLC0415
-
-    i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
-
-    def ci(v):
-        return arith.constant(i32, v)
-
-    def idx(v):
-        return arith.index_cast(index, v)
-
-    tid = arith.remui(mu.thread_idx(), ci(128))
-    lane, warp = arith.remui(tid, ci(32)), arith.divui(tid, ci(32))
-    row0 = arith.addi(arith.muli(warp, ci(16)), arith.divui(lane, ci(4)))
-    return ci, idx, tid, arith.remui(lane, ci(4)), row0
-
-
-def _decode_tile(ctx, c_ref, s_ref, *, skip: bool = False, natural: bool = False):
-    """inline_mgpu body: the [64, 128] BF16 A tile of one pipeline step, in wgmma's register layout.
-    skip: zeros instead (a diagnostic: the kernel's cost without the decode; the TMA traffic stays).
-    natural: natural_layout's tiles (register c's two values share the scale of group c // 2)."""
-    del ctx
-    import jax.experimental.mosaic.gpu as mgpu  # noqa: PLC0415  (GPU lowering only)
-    from jax._src.lib.mlir import ir  # noqa: PLC0415
-    from jax._src.lib.mlir.dialects import arith, vector  # noqa: PLC0415
-    from jax.experimental.mosaic.gpu import utils as mu  # noqa: PLC0415
-
-    i32, i16, i8 = (ir.IntegerType.get_signless(w) for w in (32, 16, 8))
-    bf16 = ir.BF16Type.get()
-    ci, idx, _, j, row0 = _thread_coords()
-    layout = mgpu.WGMMA_LAYOUT
-    if skip:
-        return mgpu.FragmentedArray.splat(arith.constant(bf16, 0.0), (64, 2 * STEP_BYTES), layout)
-    regs = np.empty(layout.registers_shape((64, 2 * STEP_BYTES)), dtype=object)
-    for h in range(2):
-        m = arith.addi(row0, ci(8 * h))
-        code_vec = vector.load(ir.VectorType.get((16,), i8), c_ref, [idx(m), idx(arith.muli(j, ci(16)))])
-        words = mu.bitcast(code_vec, ir.VectorType.get((4,), i32))
-        if natural:  # the row's 8 scale bytes at flat m * 8: 4 pairs, each two broadcast bf16x2 scales
-            flat = arith.muli(m, ci(8))
-            eight = vector.load(ir.VectorType.get((8,), i8), s_ref, [idx(arith.divui(flat, ci(256))),
-                                                                     idx(arith.remui(flat, ci(256)))])
-            pairs = mu.bitcast(eight, ir.VectorType.get((4,), i16))
-            scales = []
-            for g2 in range(4):
-                pair = vector.extract(pairs, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([g2]))
-                scales.extend(mu.inline_ptx(SCALE_BCAST_PTX, pair, result_types=[i32, i32]))
-            for c in range(16):
-                word = vector.extract(words, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([c // 4]))
-                val = mu.inline_ptx(DECODE_PTX.format(shift=8 * (c % 4)), word, scales[c // 2], result_types=i32)
-                regs[(0, c, 0, 0, h, 0, 0, 0, 0)] = mu.bitcast(val, ir.VectorType.get((2,), bf16))
-            continue
-        # scale bytes (m, j, e) at flat m * 8 + 2 j of the [2, 256] tile
-        flat = arith.addi(arith.muli(m, ci(8)), arith.muli(j, ci(2)))
-        pair = vector.load(ir.VectorType.get((2,), i8), s_ref, [idx(arith.divui(flat, ci(256))),
-                                                                idx(arith.remui(flat, ci(256)))])
-        scale = mu.inline_ptx(SCALE_PTX, mu.bitcast(pair, i16), result_types=i32)
-        for c in range(16):
-            word = vector.extract(words, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([c // 4]))
-            val = mu.inline_ptx(DECODE_PTX.format(shift=8 * (c % 4)), word, scale, result_types=i32)
-            regs[(0, c, 0, 0, h, 0, 0, 0, 0)] = mu.bitcast(val, ir.VectorType.get((2,), bf16))
-    return mgpu.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None)
-
-
 def store_diagonal(acc, red_ref, *, q: int):
     """Inside an inline_mgpu body: red_ref[m] = acc[m, m % q] for the 64 A rows m = n * q + s (segment s's partial
     dot product of row n), then a warpgroup barrier. Returns (i32 constant maker, index cast, thread id)."""
@@ -228,7 +97,7 @@ def store_diagonal(acc, red_ref, *, q: int):
     from jax._src.lib.mlir.dialects import arith, memref, vector  # noqa: PLC0415
     from jax.experimental.mosaic.gpu import utils as mu  # noqa: PLC0415
 
-    ci, idx, tid, j, row0 = _thread_coords()
+    ci, idx, tid, j, row0 = thread_coords()
     for h in range(2):
         m = arith.addi(row0, ci(8 * h))
         # A row m = n * q + s wants column s: this thread holds columns 8 c8 + 2 j + e (register c8, element e)
@@ -263,10 +132,12 @@ def row_total(red_ref, n, *, q: int):
     return total
 
 
-def _finish(ctx, acc, red_ref, gs_ref, o_ref, res_ref=None, *, q: int, end_barrier: bool = False):
+def _finish(ctx, acc, red_ref, gs_ref, o_ref, res_ref=None, *, q: int, end_barrier: bool = False,
+            out_f32: bool = False):
     """inline_mgpu body: out[n] = bf16(sum_s acc[n * q + s, s] * global_scale) for the program's 64/q rows; with a
     residual, out[n] = bf16(res[n] + that) (layers' rounding points: the linear output rounded, then the sum).
-    end_barrier: a warpgroup barrier after the reads of red_ref (a persistent program reuses it for its next rows)."""
+    end_barrier: a warpgroup barrier after the reads of red_ref (a persistent program reuses it for its next rows).
+    out_f32: store the FP32 product unrounded (the LM head's logits)."""
     del ctx
     from jax._src.lib.mlir import ir  # noqa: PLC0415
     from jax._src.lib.mlir.dialects import arith, memref  # noqa: PLC0415
@@ -276,7 +147,9 @@ def _finish(ctx, acc, red_ref, gs_ref, o_ref, res_ref=None, *, q: int, end_barri
     ci, idx, tid = store_diagonal(acc, red_ref, q=q)
     with mu.when(arith.cmpi(arith.CmpIPredicate.ult, tid, ci(64 // q))):
         gs = memref.load(gs_ref, [idx(ci(0))])
-        y = arith.truncf(bf16, arith.mulf(row_total(red_ref, tid, q=q), gs))
+        y = arith.mulf(row_total(red_ref, tid, q=q), gs)
+        if not out_f32:
+            y = arith.truncf(bf16, y)
         if res_ref is not None:
             y = arith.truncf(bf16, arith.addf(arith.extf(f32, memref.load(res_ref, [idx(tid)])), arith.extf(f32, y)))
         memref.store(y, o_ref, [idx(tid)])
@@ -287,7 +160,8 @@ def _finish(ctx, acc, red_ref, gs_ref, o_ref, res_ref=None, *, q: int, end_barri
 def mosaic_gemv_nvfp4(xcols: jax.Array, codes_m: jax.Array, scales_m: jax.Array, global_scale: jax.Array, *,
                       N: int, K: int, q: int = Q, stages: int = 4, overlap: bool = False,
                       skip_decode: bool = False, sub: int = 1, natural: bool = False,
-                      residual: jax.Array | None = None, programs: int | None = None) -> jax.Array:
+                      residual: jax.Array | None = None, programs: int | None = None,
+                      out_f32: bool = False) -> jax.Array:
     """y [N] BF16 = bf16(x W^T * global_scale) from the kernel layout (mosaic_layout, x_columns with the same q).
     natural: natural_layout's operands and x_natural(x, q) (global_scale: the layout's, x 2^63).
     residual [N] BF16: y = bf16(residual + bf16(x W^T * global_scale)), added in the epilogue.
@@ -295,8 +169,11 @@ def mosaic_gemv_nvfp4(xcols: jax.Array, codes_m: jax.Array, scales_m: jax.Array,
     pipeline (the next block's tiles load while this block finishes; the accumulator is read and zeroed at each
     block's last step), instead of one program per row block with its own pipeline ramp.
     overlap: let a step's wgmma run while the next step decodes (wgmma_wait(1); x's buffer released a step late).
-    sub: 64-byte decode steps per pipeline step (bigger TMA copies; codes_m from mosaic_layout(w, q, sub))."""
-    progs, steps = _dims(N, K, q)
+    sub: 64-byte decode steps per pipeline step (bigger TMA copies; codes_m from mosaic_layout(w, q, sub)).
+    out_f32: y [N] FP32 = x W^T * global_scale, unrounded (the LM head's logits; no residual)."""
+    if out_f32 and residual is not None:
+        raise ValueError("out_f32 takes no residual")
+    progs, steps = dims(N, K, q)
     if steps % sub:
         raise ValueError(f"{steps} steps of {STEP_BYTES} code bytes do not group by sub={sub}")
     steps //= sub
@@ -307,15 +184,15 @@ def mosaic_gemv_nvfp4(xcols: jax.Array, codes_m: jax.Array, scales_m: jax.Array,
     decode = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()),
                                return_type=plgpu.ShapeDtypeStruct((64, tile_k), jnp.bfloat16,
                                                                   layout=plgpu.Layout.WGMMA))(
-        functools.partial(_decode_tile, skip=skip_decode, natural=natural))
+        functools.partial(decode_tile, skip=skip_decode, natural=natural))
     finish = plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,) + (plgpu.RefType(),) * (3 + (residual is not None)))(
-        functools.partial(_finish, q=q, end_barrier=programs is not None))
+        functools.partial(_finish, q=q, end_barrier=programs is not None, out_f32=out_f32))
     if programs is not None and progs % programs:
         raise ValueError(f"{progs} row blocks do not split over {programs} persistent programs")
     blocks = 1 if programs is None else progs // programs
     x_spec = dict(delay_release=1) if overlap and steps > 1 else {}
 
-    @functools.partial(plgpu.kernel, out_type=jax.ShapeDtypeStruct((N,), jnp.bfloat16),
+    @functools.partial(plgpu.kernel, out_type=jax.ShapeDtypeStruct((N,), jnp.float32 if out_f32 else jnp.bfloat16),
                        grid=(progs if programs is None else programs,), grid_names=("i",),
                        scratch_types=[plgpu.SMEM((64,), jnp.float32)])
     def kernel(x_gmem, c_gmem, s_gmem, gs_gmem, *rest):
@@ -364,7 +241,7 @@ def emulate_rows(xcols: np.ndarray, codes_m: np.ndarray, scales_m: np.ndarray, N
     addresses, the same bit decode (A exact in BF16, so FP32 here), the same diagonal sums. FP32 sums in NumPy's
     order, not wgmma's. natural: natural_layout's operands and x_natural's x (then the totals carry 2^-63, which the
     layout's global scale undoes). -> [N] float64 totals, row n of program i at i * 64/q + n."""
-    progs, steps = _dims(N, K, q)
+    progs, steps = dims(N, K, q)
     r = 64 // q
     xc = np.asarray(jnp.asarray(xcols, jnp.float32))
     cm = np.asarray(codes_m).astype(np.uint32)
@@ -401,14 +278,6 @@ def emulate(xcols: np.ndarray, codes_m: np.ndarray, scales_m: np.ndarray, global
     return np.asarray(jnp.asarray(out).astype(jnp.bfloat16).astype(jnp.float32))
 
 
-def decoded_byte(b: int) -> tuple[float, float]:
-    """DECODE_PTX's integer part for one code byte, in Python: the bf16x2 pattern read as its two BF16 values
-    (subnormals included), each E2M1 x 2^-126 of its nibble."""
-    bits = (((b * 0x00040040) & 0x01C001C0) | ((b * 0x01001000) & 0x80008000)) & 0xFFFFFFFF
-    lo, hi = np.frombuffer(np.array([(bits << 16) & 0xFFFFFFFF, bits & 0xFFFF0000], np.uint32).tobytes(), np.float32)
-    return float(lo), float(hi)
-
-
 def mosaic_linear_nvfp4(x: jax.Array, w: nvfp4.NVFP4Weight, layout=None, q: int = Q, sub: int = 1,
                         **kw) -> jax.Array:
     """layers.linear for one token through the kernel; `layout` = mosaic_layout(w, q, sub) (natural=True:
@@ -426,16 +295,18 @@ def mosaic_linear_nvfp4(x: jax.Array, w: nvfp4.NVFP4Weight, layout=None, q: int 
 def parse_variant(v: str) -> dict:
     """'q16_st4_s2_ov_nd' -> mosaic_gemv_nvfp4 keywords: q K-segments, st pipeline depth, s sub-steps per pipeline
     step, ov wgmma overlap, nd no decode (a diagnostic), nat natural_layout and x_natural, p<n> n persistent
-    programs; 'res' (the residual epilogue) is main's to handle and not returned."""
+    programs, f32 FP32 output (the LM head's logits); 'res' (the residual epilogue) is main's to handle and not returned."""
     parts = v.split("_")
     kw = dict(q=int(parts[0][1:]), stages=int(parts[1][2:]), sub=1, overlap="ov" in parts, skip_decode="nd" in parts,
               natural="nat" in parts)
+    if "f32" in parts:
+        kw["out_f32"] = True
     for part in parts[2:]:
         if part.startswith("s") and part[1:].isdigit():
             kw["sub"] = int(part[1:])
         elif part.startswith("p") and part[1:].isdigit():
             kw["programs"] = int(part[1:])
-        elif part not in ("ov", "nd", "nat", "res"):
+        elif part not in ("ov", "nd", "nat", "res", "f32"):
             raise ValueError(f"variant {v!r}: unknown part {part!r}")
     return kw
 
@@ -449,7 +320,7 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default="q4_st4,q8_st4,q16_st4,q8_st4_ov,q16_st4_ov",
                     help="comma list of [mix_]q<K segments>_st<pipeline depth>[_s<sub>][_ov][_nd][_nat][_res][_p<n>] "
                          "(ov: wgmma_wait(1) overlap; nd: no decode, A = 0, a diagnostic; nat: x as written "
-                         "(natural_layout); res: residual epilogue; p<n>: n persistent programs; mix: odd layers run "
+                         "(natural_layout); res: residual epilogue; p<n>: n persistent programs; f32: FP32 output; mix: odd layers run "
                          "the Triton gemv)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--trace-dir", default="/tmp/probe_mosaic_nvfp4_traces")
@@ -491,15 +362,20 @@ def main(argv=None) -> int:
         # of x would write them, not once per layer
         h = jax.random.normal(jax.random.key(4), (1, N), jnp.float32).astype(jnp.bfloat16)  # residual variants
         want_res = np.asarray((h.astype(jnp.float32) + jnp.asarray(want)).astype(jnp.bfloat16), np.float32)
+        want_f32 = np.asarray(triton_gemv.ref_gemv_logits(x, ws[0]), np.float32)
+        wants = {"plain": want_plain, "res": want_res, "f32": want_f32}
         variants = [v for v in args.variants.split(",") if v]
-        fns = {"triton": (None, lambda x: x, lambda xp, w, lay, layer: triton_gemv.gemv(xp, w), False)}
+        fns = {"triton": (None, lambda x: x, lambda xp, w, lay, layer: triton_gemv.gemv(xp, w), "plain")}
         if any("_res" in v for v in variants):
             fns["triton_res"] = (None, lambda x: x, lambda xp, w, lay, layer: triton_gemv.gemv(xp, w, residual=h),
-                                 True)
+                                 "res")
+        if any("_f32" in v for v in variants):  # the LM head's kernel (gemv_logits, here without its final norm)
+            fns["triton_f32"] = (None, lambda x: x, lambda xp, w, lay, layer: triton_gemv.gemv_logits(xp, w), "f32")
         for v in variants:
             mix = v.startswith("mix_")  # odd layers Triton, even layers Mosaic: the two lowerings side by side
             kw = parse_variant(v.removeprefix("mix_"))
             with_res = "_res" in v
+            want_kind = "res" if with_res else "f32" if kw.get("out_f32") else "plain"
 
             def fn(xp, w, lay, layer, kw=kw, mix=mix, with_res=with_res):
                 resid = dict(residual=h) if with_res else {}
@@ -509,9 +385,9 @@ def main(argv=None) -> int:
                 return mosaic_gemv_nvfp4(xp[1], lay[0], lay[1], gs, N=N, K=K, **kw, **resid)[None, :]
             make_x = x_natural if kw["natural"] else x_columns
             fns[v] = ((kw["q"], kw["sub"], kw["natural"]), lambda x, q=kw["q"], mk=make_x: (x, mk(x, q)), fn,
-                      with_res)
+                      want_kind)
         layouts_by_q: dict = {}
-        for name, (q, prep, fn, with_res) in fns.items():
+        for name, (q, prep, fn, want_kind) in fns.items():
             try:
                 if q not in layouts_by_q:
                     layouts_by_q.clear()  # one layout's copies at a time
@@ -525,7 +401,7 @@ def main(argv=None) -> int:
                 run = jax.jit(lambda x, ws, lays, prep=prep, fn=fn: [fn(xp, w, lay, layer) for xp in [prep(x)]
                                                                      for layer, (w, lay) in enumerate(zip(ws, lays))])
                 outs = run(x, ws, layouts)
-                want = want_res if with_res else want_plain
+                want = wants[want_kind]
                 got = np.asarray(outs[0], np.float32)
                 entry = {"max_abs_err": float(np.max(np.abs(got - want))), "ref_max_abs": float(np.max(np.abs(want))),
                          "mismatches_over_1ulp": int(np.sum(np.abs(got - want) > np.abs(want) * 2 ** -7 + 1e-30))}

@@ -65,6 +65,7 @@ def _variants():
         "attn_min_chunk128": [(DA, "MIN_CHUNK", 128)],
         "attn_min_chunk64": [(DA, "MIN_CHUNK", 64)],
         "hot_weights": [],  # no knobs: its parameters differ (PARAM_VARIANTS)
+        "lm_head_tiles": [],  # served step: the LM head tiled for the Mosaic GPU kernel (PARAM_VARIANTS)
         "ring_splits4": [(DA, "RING_SPLITS", 4)],
         "ring_loop": [(DA, "RING_PRELOAD", False)],  # splits of two blocks, a loop over them (run G's kernel)
         "attn_two_waves": [(DA, "TARGET_PROGRAMS", 528)],  # full layers: 128 splits at B = 1 (before run O)
@@ -103,8 +104,16 @@ def hot_weights(params, cfg: FlintConfig):
 
 # Variants that change the parameters rather than kernel knobs. hot_weights is a diagnostic: every MoE layer uses the
 # same weights (one layer's QKV, O, router and shared expert stay in L2), i.e. what the weight kernels would cost if
-# their weights were prefetched into L2.
-PARAM_VARIANTS = {"hot_weights": hot_weights}
+# their weights were prefetched into L2. lm_head_tiles: the engine's LM head (Mosaic GPU) against the base's Triton one.
+def lm_head_tiles(params, cfg: FlintConfig):
+    """The `lm_head_tiles` variant's parameters: the NVFP4 LM head as pallas_path.engine_layout leaves it (tiled for
+    pallas_kernels/mosaic_nvfp4.py), the layers as they are."""
+    del cfg
+    from flint_jax import nvfp4_tiles
+    return dataclasses.replace(params, lm_head=jax.jit(nvfp4_tiles.pack)(params.lm_head))
+
+
+PARAM_VARIANTS = {"hot_weights": hot_weights, "lm_head_tiles": lm_head_tiles}
 
 
 class variant:
