@@ -54,7 +54,7 @@ part() {  # part NAME SECONDS COMMAND...: run with a limit that never exceeds wh
 for p in $parts; do
   case $p in
     tests) part tests 100 env FLINT_PALLAS_COMPILED=1 python3 -m pytest -q -p no:cacheprovider \
-             tests/test_kernels_attention.py tests/test_kernels_gemv.py tests/test_kernels_moe.py ;;
+             tests/test_kernels_attention.py tests/test_kernels_gemv.py tests/test_kernels_moe.py tests/test_mosaic_nvfp4.py ;;
     tests_moe) part tests_moe ${TESTS_MOE_LIMIT:-60} env FLINT_PALLAS_COMPILED=1 python3 -m pytest -q -p no:cacheprovider \
              tests/test_kernels_moe.py -k "route or moe_block or persistent" ;;
     tests_fold) part tests_fold 50 env FLINT_PALLAS_COMPILED=1 python3 -m pytest -q -p no:cacheprovider \

@@ -156,3 +156,14 @@ def test_engine_layout_tiles_the_nvfp4_head():
     assert not isinstance(pallas_path.engine_layout(params, tile_lm_head=False).lm_head, nvfp4_tiles.NVFP4Tiles)
     bf16 = init_params(FlintConfig.tiny(), jax.random.key(0))
     assert pallas_path.engine_layout(bf16, tile_lm_head=True).lm_head is bf16.lm_head  # BF16 heads stay
+
+
+@pytest.mark.parametrize("m", [1, 9])
+def test_lm_head_lowers_for_cuda(m):
+    """The compiled kernel (hand-written decode and register stores, which the interpreter does not run) lowers for
+    CUDA on a CPU host: one Mosaic GPU kernel per 8 rows."""
+    t = jax.eval_shape(lambda: nvfp4_tiles.pack(nvfp4.random(jax.random.key(0), (256, 512))))
+    with pallas_path.lowering_for_gpu():
+        text = jax.jit(MN.lm_head_logits).trace(jax.ShapeDtypeStruct((m, 512), BF16), t).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == (m + 7) // 8
