@@ -52,11 +52,6 @@ class NVFP4Tiles:
     def nbytes(self) -> int:
         return int(self.codes.size + self.scales.size + 4)
 
-    @property
-    def steps(self) -> int:
-        """K steps of 128 values per A row."""
-        return self.k // (2 * STEP_BYTES * self.q)
-
 
 def dims(N: int, K: int, q: int) -> tuple[int, int]:
     """(row blocks, K steps) of a weight [N, K] in q K-segments; ValueError naming the shape if it does not tile."""

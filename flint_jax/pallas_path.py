@@ -11,6 +11,7 @@ On a CPU backend the kernels run in Pallas interpret mode (how CI tests them); o
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib
 import math
@@ -146,22 +147,27 @@ def engine_layout(params, delete: bool = False, progress=None, tile_lm_head: boo
     tiled for the Mosaic GPU kernel (`nvfp4_tiles.pack`, lossless; by default on a GPU backend, where the kernel
     is compiled; `model.lm_logits(impl="xla")` reads the tiles back). delete: free the arrays that were copied (the
     `params` passed in are unusable afterwards)."""
-    import dataclasses
-    from flint_jax import nvfp4_tiles
     from flint_jax.layer_stack import stack_layers
-    from flint_jax.nvfp4 import NVFP4Weight
     sp = stack_layers(params, delete=delete, progress=progress)
-    tile = jax.default_backend() == "gpu" if tile_lm_head is None else tile_lm_head
+    if not (jax.default_backend() == "gpu" if tile_lm_head is None else tile_lm_head):
+        return sp
     head = sp.lm_head
-    if tile and isinstance(head, NVFP4Weight) and nvfp4_tiles.supports(head.shape):
-        tiles = jax.jit(nvfp4_tiles.pack)(head)
-        if delete:
-            jax.block_until_ready(tiles)
-            for a in (head.codes, head.scales):
-                if isinstance(a, jax.Array) and a is not sp.embed and not a.is_deleted():
-                    a.delete()
-        sp = dataclasses.replace(sp, lm_head=tiles)
-    return sp
+    tiles = tiled_lm_head(head)
+    if delete and tiles is not head:
+        jax.block_until_ready(tiles)
+        for a in (head.codes, head.scales):
+            if isinstance(a, jax.Array) and not a.is_deleted():
+                a.delete()
+    return dataclasses.replace(sp, lm_head=tiles)
+
+
+def tiled_lm_head(head):
+    """An NVFP4 LM head whose shape tiles, packed for `mosaic_nvfp4.lm_head_logits`; any other head as it is."""
+    from flint_jax import nvfp4_tiles
+    from flint_jax.nvfp4 import NVFP4Weight
+    if isinstance(head, NVFP4Weight) and nvfp4_tiles.supports(head.shape):
+        return jax.jit(nvfp4_tiles.pack)(head)
+    return head
 
 
 def lm_logits(params, h, cfg):

@@ -39,7 +39,7 @@ F32, BF16 = jnp.float32, jnp.bfloat16
 X_SHIFT = 63  # x is scaled by 2^63 and the scales by 2^63; the decoded code is E2M1 x 2^-126 (see DECODE_PTX)
 TILE_K = 2 * STEP_BYTES  # K positions of A per step
 X_ROWS = 8  # wgmma's smallest N: rows of x per launch of lm_head_logits
-LM_HEAD_STAGES = 4  # TMA pipeline depth (run DA: 4 stages of 2 steps 59.6 us; 8 stages 66.9-74.7)
+LM_HEAD_STAGES = 4  # TMA pipeline depth (run DA: 4 stages of 2 steps 59.6 us; 8 stages 66.5-74.7)
 
 # Byte `k` of word $1 -> bf16x2 [E2M1(low nibble), E2M1(high nibble)] x E4M3 pair $2 (both x 2^63).
 # b * 0x00040040 moves the low nibble's magnitude bits 0-2 to 6-8 and the high nibble's 4-6 to 22-24 (no carries

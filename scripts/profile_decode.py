@@ -102,17 +102,17 @@ def hot_weights(params, cfg: FlintConfig):
     return dataclasses.replace(params, layers=params.layers[:k] + (params.layers[k],) * (len(params.layers) - k))
 
 
-# Variants that change the parameters rather than kernel knobs. hot_weights is a diagnostic: every MoE layer uses the
-# same weights (one layer's QKV, O, router and shared expert stay in L2), i.e. what the weight kernels would cost if
-# their weights were prefetched into L2. lm_head_tiles: the engine's LM head (Mosaic GPU) against the base's Triton one.
 def lm_head_tiles(params, cfg: FlintConfig):
     """The `lm_head_tiles` variant's parameters: the NVFP4 LM head as pallas_path.engine_layout leaves it (tiled for
     pallas_kernels/mosaic_nvfp4.py), the layers as they are."""
     del cfg
-    from flint_jax import nvfp4_tiles
-    return dataclasses.replace(params, lm_head=jax.jit(nvfp4_tiles.pack)(params.lm_head))
+    from flint_jax import pallas_path
+    return dataclasses.replace(params, lm_head=pallas_path.tiled_lm_head(params.lm_head))
 
 
+# Variants that change the parameters rather than kernel knobs. hot_weights is a diagnostic: every MoE layer uses the
+# same weights (one layer's QKV, O, router and shared expert stay in L2), i.e. what the weight kernels would cost if
+# their weights were prefetched into L2. lm_head_tiles: the engine's LM head (Mosaic GPU) against the base's Triton one.
 PARAM_VARIANTS = {"hot_weights": hot_weights, "lm_head_tiles": lm_head_tiles}
 
 
