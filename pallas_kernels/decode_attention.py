@@ -76,6 +76,8 @@ RING_SPLITS = 8
 # memory): preloading two blocks in registers spilled (run O: 17.1 us per layer against 14.8 looping, run G).
 RING_PRELOAD = True
 MAX_EXTRA_SLOTS = 4
+# Which split reads those extra slots (Python index: -1 = the last). Split 0 also writes the new K/V.
+RING_EXTRA_SPLIT = 0
 # The last-arriving program folds at most this many splits (FOLD_VALUES below per load); more splits (full layers at
 # long contexts: 64 at B = 1) go to the `combine` kernel, which folds them in parallel over (sequence, head)
 # programs: one program folding 128 splits cost 113 us per layer at 100K on the H200 (docs/BENCHMARKS.md).
@@ -181,8 +183,8 @@ def _attn_kernel(*refs, mode, ring, sliding, B, Hq, KV, G, D, window, n_slots, s
         lo = s * chunk
         if preload:  # issued before the query's loads: the two latencies overlap
             ring_tile = _load_ring_block(k_ref, v_ref, kpos_ref, b, kv, lo, active, n_slots, dh)
-            first_split = active & (s == 0)
-            extra_rows = [_load_ring_row(k_ref, v_ref, kpos_ref, b, kv, splits * chunk + e, first_split, dh, D)
+            extra_split = active & (s == RING_EXTRA_SPLIT % splits)
+            extra_rows = [_load_ring_row(k_ref, v_ref, kpos_ref, b, kv, splits * chunk + e, extra_split, dh, D)
                           for e in range(extra)]
     if mode == "fused":
         q1, q2, k1, k2, v_new = load_raw_heads(qkv_ref, b, kv, Hq=Hq, KV=KV, G=G, D=D)
