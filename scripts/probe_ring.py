@@ -6,17 +6,18 @@ profiler trace. Each variant changes one thing:
 
   knob variants (product settings the kernel reads at trace time):
     base               the product: 8 splits of one preloaded 64-key block, split 0 also the 513th slot, the
-                       splits folded by the last-arriving program, 8 warps
+                       splits folded by the `combine` kernel (RING_FOLD_IN_KERNEL False since run DE), 8 warps
+    fold_in_kernel     the splits folded by the last-arriving program (the product until run DE)
     warps4             4 warps
-    splits16_bk32      16 splits of one 32-key block (64 programs); the fold in two rounds of loads
+    splits16_bk32      16 splits of one 32-key block (64 programs), folded in the kernel in two rounds of loads
     splits16_bk32_f16k the same, the fold in one round (FOLD_VALUES 16384)
+    splits16_combine   16 splits of one 32-key block, folded by `combine`
     extra_last         the 513th slot read by the last split instead of split 0 (which also writes K/V)
-    combine_kernel     the 8 splits' partials folded by the separate `combine` kernel (two launches)
   diagnostics (wrong results on purpose; the probe patches the kernel module, only for that variant):
     no_rope            Q/K finished without RoPE (NoPE, as the full layers)
     no_kv_store        the new K/V not written into the ring
     no_extra_slot      the 513th slot not read (the 8 splits' 512 keys only)
-    no_fold            every split stores its partials; nobody folds them (no atomic, no second round)
+    no_fold            fold_in_kernel, but the ticket never makes a program the last: partials stored, nobody folds
 
     python scripts/probe_ring.py --out $OUT/ring                    # on the GPU
     python scripts/probe_ring.py --out /tmp/ring --smoke            # CPU: tiny shapes, interpret mode, no timing
@@ -53,15 +54,17 @@ def _no_rope(orig):
 
 KNOBS = {
     "base": [],
+    "fold_in_kernel": [(DA, "RING_FOLD_IN_KERNEL", True)],
     "warps4": [(DA, "RING_NUM_WARPS", 4)],
-    "splits16_bk32": [(DA, "RING_SPLITS", 16), (DA, "BLOCK_K", 32)],
-    "splits16_bk32_f16k": [(DA, "RING_SPLITS", 16), (DA, "BLOCK_K", 32), (DA, "FOLD_VALUES", 16384)],
+    "splits16_bk32": [(DA, "RING_FOLD_IN_KERNEL", True), (DA, "RING_SPLITS", 16), (DA, "BLOCK_K", 32)],
+    "splits16_bk32_f16k": [(DA, "RING_FOLD_IN_KERNEL", True), (DA, "RING_SPLITS", 16), (DA, "BLOCK_K", 32),
+                           (DA, "FOLD_VALUES", 16384)],
+    "splits16_combine": [(DA, "RING_SPLITS", 16), (DA, "BLOCK_K", 32)],
     "extra_last": [(DA, "RING_EXTRA_SPLIT", -1)],  # the 513th slot read by split 7, not by split 0 (KV writer)
-    "combine_kernel": [(DA, "MAX_SPLITS_IN_KERNEL", 4)],  # 8 splits > 4: partials + `combine`
     "no_rope": [(DA, "finish_heads", "no_rope")],
     "no_kv_store": [(DA, "store_kv", "no_store")],
     "no_extra_slot": [(DA, "ring_geometry", "no_extra")],
-    "no_fold": [(DA.plgpu, "atomic_add", "no_fold")],
+    "no_fold": [(DA, "RING_FOLD_IN_KERNEL", True), (DA.plgpu, "atomic_add", "no_fold")],
 }
 
 

@@ -172,7 +172,7 @@ def test_decode_attention_full(splits, min_chunk, sink):
 
 
 def test_default_splits():
-    assert DA.default_splits(1, 4, sliding=True) == (DA.RING_SPLITS if DA.COMBINE_IN_KERNEL else 1)
+    assert DA.default_splits(1, 4, sliding=True) == DA.RING_SPLITS
     # At most 264 programs (one wave). B = 1: 66 (the combine kernel takes any count; 64 as a power of two).
     assert DA.default_splits(1, 4, sliding=False) == (66 if DA.ANY_SPLITS else 64)
     assert DA.default_splits(2, 4, sliding=False) == (33 if DA.ANY_SPLITS else 32)
@@ -282,19 +282,25 @@ def test_combine_modes(monkeypatch, in_kernel, fold):
     assert ("decode_attention_combine" in text) != in_kernel
 
 
-@pytest.mark.parametrize("weights,ring_splits,window,block_k,preload", [
-    ("bf16", 8, 200, 64, True), ("nvfp4", 8, 200, 64, True), ("nvfp4", 16, 200, 64, True),
-    ("nvfp4", 8, 200, 64, False),  # the loop over blocks
-    ("bf16", 8, 131, 16, True),  # 8 blocks of 16 and 3 extra slots, read one by one by split 0
-    ("nvfp4", 8, 137, 16, True),  # 9 extra slots: too many, so splits of 2 blocks and the loop
+@pytest.mark.parametrize("weights,ring_splits,window,block_k,preload,fold_in_kernel,extra_split", [
+    ("bf16", 8, 200, 64, True, False, 0), ("nvfp4", 8, 200, 64, True, False, 0),
+    ("nvfp4", 8, 200, 64, True, True, 0),  # folded by the last-arriving split instead of `combine`
+    ("nvfp4", 16, 200, 64, True, False, 0), ("nvfp4", 16, 200, 64, True, True, 0),
+    ("nvfp4", 8, 200, 64, False, False, 0),  # the loop over blocks
+    ("bf16", 8, 131, 16, True, False, 0),  # 8 blocks of 16 and 3 extra slots, read one by one by split 0
+    ("bf16", 8, 131, 16, True, True, -1),  # ... by the last split, folded in the kernel
+    ("nvfp4", 8, 137, 16, True, False, 0),  # 9 extra slots: too many, so splits of 2 blocks and the loop
 ])
-def test_attention_block_decode_split_ring(monkeypatch, weights, ring_splits, window, block_k, preload):
+def test_attention_block_decode_split_ring(monkeypatch, weights, ring_splits, window, block_k, preload,
+                                           fold_in_kernel, extra_split):
     """A sliding layer whose ring is split over several programs (200 slots in chunks of 64: four hold keys, the
     rest fold as empty; or Flint's layout scaled down: a block per split plus a few extra slots), fused finish +
-    write + attend, two steps, against the reference."""
+    write + attend, the splits folded by `combine` or in the kernel, two steps, against the reference."""
     monkeypatch.setattr(DA, "RING_SPLITS", ring_splits)
     monkeypatch.setattr(DA, "BLOCK_K", block_k)
     monkeypatch.setattr(DA, "RING_PRELOAD", preload)
+    monkeypatch.setattr(DA, "RING_FOLD_IN_KERNEL", fold_in_kernel)
+    monkeypatch.setattr(DA, "RING_EXTRA_SPLIT", extra_split)
     chunk, extra, pre = DA.ring_geometry(window, ring_splits)
     assert pre == (preload and window != 137) and extra == (3 if window == 131 else 0)
     block_k = _jit(DA.attention_block_decode, "cfg", "sliding", "splits", "min_chunk")  # a fresh trace
