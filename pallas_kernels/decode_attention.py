@@ -15,12 +15,11 @@ masked by the stored positions) in RING_SPLITS static slices (`ring_geometry`), 
 [0, length) into chunks computed from the length at run time (`split_geometry`: lengths are data, one compiled
 kernel for every length up to max_len). With one split the kernel folds in the sink and writes o; with several it
 writes (acc, max, sum) partials, and either the last-arriving split folds them and the sink together
-(COMBINE_IN_KERNEL, for at most MAX_SPLITS_IN_KERNEL splits: full layers at B >= 4; the sliding layers' 8 only with
-RING_FOLD_IN_KERNEL) or the `combine` kernel does (the sliding layers, full layers at B <= 2: 32-64 splits).
+(COMBINE_IN_KERNEL, for at most MAX_SPLITS_IN_KERNEL splits; off by default: slower) or the `combine` kernel
+does (the default).
 
-`attention_block_decode` = qkv_projection + fused attention (+ combine) + output projection with the residual: four
-kernels on a sliding layer (three with RING_FOLD_IN_KERNEL), four on a full layer split more than
-MAX_SPLITS_IN_KERNEL ways, three on one split fewer ways.
+`attention_block_decode` = qkv_projection + fused attention + combine + output projection with the residual: four
+kernels per layer (three where one split suffices or the fold is in the kernel).
 `model_attention_block` is the same behind `model.attention_block`'s signature (T = 1), ready for `model.Blocks`.
 """
 
@@ -62,17 +61,15 @@ MAX_SPLITS = 128
 ANY_SPLITS = False
 MIN_CHUNK = 256  # keys per split at least: short contexts use fewer splits (fewer partials written and combined)
 # Fold the split partials inside the attention kernel, in the program that arrives last at a per-(sequence, KV
-# head) atomic counter, instead of launching `combine`: one launch fewer per full layer, and it lets the sliding
-# layers split their ring (RING_SPLITS) without a fourth kernel. Memory ordering: every thread's partial stores,
-# then a CTA barrier, then one acq_rel atomic per program; the last program reads the partials with volatile loads.
-# Interpret mode cannot show ordering races: the compiled tests on the GPU (scripts/gpu_session.sh) check it.
-COMBINE_IN_KERNEL = True
-# The sliding layers' ring splits folded in the kernel as above (True), or by the `combine` kernel (False, the
-# default): a fourth launch per sliding layer, yet faster. Probe run DE (scripts/probe_ring.py, 35 rings, H200): the
-# ring kernel 9.15 us with the in-kernel fold, 6.21 us with no fold at all; 6.14 + 1.50 us (combine) with the
-# `combine` kernel, 1.6 us less per layer (span): the fold's CTA barrier, acq_rel atomic and second round of
-# loads cost more than one more launch in XLA's command buffer (~1 us: scripts/probe_kernel_floor.py).
-RING_FOLD_IN_KERNEL = False
+# head) atomic counter (True), instead of launching `combine` (False, the default). Memory ordering: every thread's
+# partial stores, then a CTA barrier, then one acq_rel atomic per program; the last program reads the partials with
+# volatile loads (interpret mode cannot show ordering races: the compiled tests on the GPU check it). One launch
+# fewer per layer, yet slower: the barrier, the atomic and the second round of dependent loads cost more than one
+# more launch in XLA's command buffer (~1 us, scripts/probe_kernel_floor.py). Measured on the H200 (runs DE, DF,
+# docs/BENCHMARKS.md): the sliding layers' ring kernel 9.15 us with the fold, 6.21 us with no fold at all, 6.14 +
+# 1.50 us with `combine` (probe over 35 rings); in the NVFP4 step at 100K, batch 1, 2.390 -> 2.335 ms; at 8K,
+# batch 4 (the full layers fold 16 splits) 4.357 -> 4.330 ms.
+COMBINE_IN_KERNEL = False
 # Splits of a sliding layer's ring (513 slots on Flint): 8 programs per (sequence, KV head) instead of one program
 # walking 9 blocks serially (17.9 us per layer on the H200 at one split: the loop is
 # latency-bound, docs/BENCHMARKS.md).
@@ -125,8 +122,7 @@ def _load_ring_block(k_ref, v_ref, kpos_ref, b, kv, t0, active, n_slots: int, dh
 
 
 def default_splits(batch: int, kv_heads: int, sliding: bool) -> int:
-    """Splits of the key range per (sequence, KV head). Sliding layers: RING_SPLITS (folded in the kernel or by
-    `combine`: RING_FOLD_IN_KERNEL). Full layers: as many as keep the programs
+    """Splits of the key range per (sequence, KV head). Sliding layers: RING_SPLITS. Full layers: as many as keep the programs
     within TARGET_PROGRAMS (one wave), a power of two where the kernel folds the splits itself (its fold loads
     whole power-of-two groups); the `combine` kernel takes any count, used with ANY_SPLITS (B = 1: 66 splits)."""
     if sliding:
@@ -398,8 +394,7 @@ def _attention_call(mode, first_args, cache, positions, active, sinks, cfg, slid
     cache_in = [cache.k, cache.v] + ([cache.pos] if ring else [])
     args = [*first_args, positions.astype(jnp.int32), active.astype(jnp.int32), sinks.astype(F32), *cache_in]
     # The kernel folds power-of-two split counts up to MAX_SPLITS_IN_KERNEL itself; any other count goes to combine.
-    combine_here = (splits > 1 and COMBINE_IN_KERNEL and (RING_FOLD_IN_KERNEL or not ring)
-                    and splits <= MAX_SPLITS_IN_KERNEL and not splits & (splits - 1))
+    combine_here = splits > 1 and COMBINE_IN_KERNEL and splits <= MAX_SPLITS_IN_KERNEL and not splits & (splits - 1)
     s_pad = pl.next_power_of_2(splits)  # the combine kernel loads the split axis whole
     partials = [jax.ShapeDtypeStruct((B, Hq, s_pad, D), F32), jax.ShapeDtypeStruct((B, Hq, s_pad), F32),
                 jax.ShapeDtypeStruct((B, Hq, s_pad), F32)]

@@ -6,8 +6,8 @@ profiler trace. Each variant changes one thing:
 
   knob variants (product settings the kernel reads at trace time):
     base               the product: 8 splits of one preloaded 64-key block, split 0 also the 513th slot, the
-                       splits folded by the `combine` kernel (RING_FOLD_IN_KERNEL False since run DE), 8 warps
-    fold_in_kernel     the splits folded by the last-arriving program (the product until run DE)
+                       splits folded by the `combine` kernel (COMBINE_IN_KERNEL False since run DF), 8 warps
+    fold_in_kernel     the splits folded by the last-arriving program (the product until run DF)
     warps4             4 warps
     splits16_bk32      16 splits of one 32-key block (64 programs), folded in the kernel in two rounds of loads
     splits16_bk32_f16k the same, the fold in one round (FOLD_VALUES 16384)
@@ -54,17 +54,17 @@ def _no_rope(orig):
 
 KNOBS = {
     "base": [],
-    "fold_in_kernel": [(DA, "RING_FOLD_IN_KERNEL", True)],
+    "fold_in_kernel": [(DA, "COMBINE_IN_KERNEL", True)],
     "warps4": [(DA, "RING_NUM_WARPS", 4)],
-    "splits16_bk32": [(DA, "RING_FOLD_IN_KERNEL", True), (DA, "RING_SPLITS", 16), (DA, "BLOCK_K", 32)],
-    "splits16_bk32_f16k": [(DA, "RING_FOLD_IN_KERNEL", True), (DA, "RING_SPLITS", 16), (DA, "BLOCK_K", 32),
+    "splits16_bk32": [(DA, "COMBINE_IN_KERNEL", True), (DA, "RING_SPLITS", 16), (DA, "BLOCK_K", 32)],
+    "splits16_bk32_f16k": [(DA, "COMBINE_IN_KERNEL", True), (DA, "RING_SPLITS", 16), (DA, "BLOCK_K", 32),
                            (DA, "FOLD_VALUES", 16384)],
     "splits16_combine": [(DA, "RING_SPLITS", 16), (DA, "BLOCK_K", 32)],
     "extra_last": [(DA, "RING_EXTRA_SPLIT", -1)],  # the 513th slot read by split 7, not by split 0 (KV writer)
     "no_rope": [(DA, "finish_heads", "no_rope")],
     "no_kv_store": [(DA, "store_kv", "no_store")],
     "no_extra_slot": [(DA, "ring_geometry", "no_extra")],
-    "no_fold": [(DA, "RING_FOLD_IN_KERNEL", True), (DA.plgpu, "atomic_add", "no_fold")],
+    "no_fold": [(DA, "COMBINE_IN_KERNEL", True), (DA.plgpu, "atomic_add", "no_fold")],
 }
 
 

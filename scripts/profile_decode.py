@@ -69,8 +69,9 @@ def _variants():
         "ring_splits4": [(DA, "RING_SPLITS", 4)],
         "ring_loop": [(DA, "RING_PRELOAD", False)],  # splits of two blocks, a loop over them (run G's kernel)
         "attn_two_waves": [(DA, "TARGET_PROGRAMS", 528)],  # full layers: 128 splits at B = 1 (before run O)
-        "combine_kernel": [(DA, "COMBINE_IN_KERNEL", False)],  # full layers at B >= 4 folded by `combine` too
-        "ring_fold_in_kernel": [(DA, "RING_FOLD_IN_KERNEL", True)],  # the rings' splits folded in the kernel (< DE)
+        # the split partials folded by the last-arriving program (the default before run DF): the rings, and the
+        # full layers at B >= 4 (16 or 8 splits)
+        "fold_in_kernel": [(DA, "COMBINE_IN_KERNEL", True)],
         "topk_per_program": [(ME, "ROUTE_IN_ROUTER", False)],  # the default since run G
         "topk_in_router": [(ME, "ROUTE_IN_ROUTER", True)],
         "down_recomputes_topk": [(ME, "ROUTING_TO_DOWN", False)],

@@ -299,7 +299,7 @@ def test_attention_block_decode_split_ring(monkeypatch, weights, ring_splits, wi
     monkeypatch.setattr(DA, "RING_SPLITS", ring_splits)
     monkeypatch.setattr(DA, "BLOCK_K", block_k)
     monkeypatch.setattr(DA, "RING_PRELOAD", preload)
-    monkeypatch.setattr(DA, "RING_FOLD_IN_KERNEL", fold_in_kernel)
+    monkeypatch.setattr(DA, "COMBINE_IN_KERNEL", fold_in_kernel)
     monkeypatch.setattr(DA, "RING_EXTRA_SPLIT", extra_split)
     chunk, extra, pre = DA.ring_geometry(window, ring_splits)
     assert pre == (preload and window != 137) and extra == (3 if window == 131 else 0)

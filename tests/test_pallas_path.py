@@ -46,8 +46,8 @@ def test_pallas_decode_matches_the_reference(weights, tiny_cfg, tiny_params, tin
 def test_decode_step_lowers_for_the_gpu_with_the_planned_kernels(tiny_cfg):
     """The whole decode step lowers to Triton kernels for CUDA (no GPU needed), one launch per fused block:
     per layer QKV + attention + output projection, + a combine kernel on full layers split more ways than the
-    attention kernel folds itself (DA.MAX_SPLITS_IN_KERNEL) and on sliding layers whose split ring is not folded
-    in the kernel (DA.RING_FOLD_IN_KERNEL), + 3 (MoE) or 2 (dense) MLP kernels."""
+    attention kernel folds itself (DA.COMBINE_IN_KERNEL, DA.MAX_SPLITS_IN_KERNEL; the default: every split
+    layer, the sliding layers' rings included), + 3 (MoE) or 2 (dense) MLP kernels."""
     from flint_jax.pallas_kernels import decode_attention as DA
     census = pallas_path.kernel_census(tiny_cfg, "nvfp4", batch=1, max_len=64)
     cfg = tiny_cfg
@@ -56,7 +56,7 @@ def test_decode_step_lowers_for_the_gpu_with_the_planned_kernels(tiny_cfg):
     splits = DA.default_splits(1, cfg.num_key_value_heads, sliding=False)
     in_kernel = DA.COMBINE_IN_KERNEL and splits <= DA.MAX_SPLITS_IN_KERNEL and not splits & (splits - 1)
     ring_splits = DA.default_splits(1, cfg.num_key_value_heads, sliding=True)
-    ring_in_kernel = DA.COMBINE_IN_KERNEL and DA.RING_FOLD_IN_KERNEL and ring_splits <= DA.MAX_SPLITS_IN_KERNEL
+    ring_in_kernel = DA.COMBINE_IN_KERNEL and ring_splits <= DA.MAX_SPLITS_IN_KERNEL
     n_combine = (0 if in_kernel else n_full) + (0 if ring_in_kernel or ring_splits == 1 else
                                                cfg.num_hidden_layers - n_full)
     assert n_combine >= cfg.num_hidden_layers - n_full  # the sliding layers' combines are planned
