@@ -138,9 +138,23 @@ def rope_tables(cfg: FlintConfig) -> jax.Array:
     return 1.0 / (cfg.rope_theta ** (jnp.arange(0, d, 2, dtype=F32) / d))
 
 
-def finish_heads(x1, x2, w_ref, inv_freq_ref, pos, *, eps: float, sliding: bool):
+def rope_cos_sin(positions: jax.Array, cfg: FlintConfig) -> jax.Array:
+    """[B, 2, D/2] f32: cos and sin of each sequence's RoPE angles at `positions` [B], by `layers.rope`'s expression
+    (computed by XLA, so the values are the reference's). Every sliding layer of a step asks for the same table, and
+    XLA's common-subexpression elimination keeps one."""
+    angles = positions.astype(F32)[:, None] * rope_tables(cfg)[None, :]
+    return jnp.stack([jnp.cos(angles), jnp.sin(angles)], axis=1)
+
+
+def load_rope(rope_ref, b):
+    """Sequence b's (cos, sin) [D/2] from a `rope_cos_sin` table ref: for `finish_heads`'s `rope`."""
+    return rope_ref[b, 0, :], rope_ref[b, 1, :]
+
+
+def finish_heads(x1, x2, w_ref, rope, pos, *, eps: float, sliding: bool):
     """Per-head RMSNorm (+ RoPE on sliding layers) of heads given as halves x1, x2 [R, D/2] bf16 (the two halves
-    make rotate-half RoPE a pair of elementwise ops). Returns the finished halves, bf16."""
+    make rotate-half RoPE a pair of elementwise ops). Returns the finished halves, bf16. rope: the inv_freq ref (the
+    angles' cos/sin computed here, at position pos) or a (cos, sin) pair already loaded (`load_rope`)."""
     dh = x1.shape[-1]
     x1f, x2f = x1.astype(F32), x2.astype(F32)
     ss = jnp.sum(x1f * x1f, axis=1) + jnp.sum(x2f * x2f, axis=1)
@@ -151,8 +165,11 @@ def finish_heads(x1, x2, w_ref, inv_freq_ref, pos, *, eps: float, sliding: bool)
     y2 = (w2 * (x2f * r).astype(BF16).astype(F32)).astype(BF16)
     if not sliding:
         return y1, y2
-    ang = pos.astype(F32) * inv_freq_ref[...]  # [D/2]
-    c, s = jnp.cos(ang)[None, :], jnp.sin(ang)[None, :]
+    if isinstance(rope, tuple):
+        c, s = rope[0].astype(F32)[None, :], rope[1].astype(F32)[None, :]
+    else:
+        ang = pos.astype(F32) * rope[...]  # [D/2]
+        c, s = jnp.cos(ang)[None, :], jnp.sin(ang)[None, :]
     y1f, y2f = y1.astype(F32), y2.astype(F32)
     return (y1f * c - y2f * s).astype(BF16), (y2f * c + y1f * s).astype(BF16)
 

@@ -36,8 +36,8 @@ from jax.experimental.pallas import triton as plgpu
 from flint_jax import layer_stack
 from flint_jax import layers as L
 from flint_jax.config import FlintConfig
-from flint_jax.pallas_kernels.attention_prologue import (ROWS, check_cache, finish_heads, load_raw_heads,
-                                                         qkv_projection, rope_tables, store_kv)
+from flint_jax.pallas_kernels.attention_prologue import (ROWS, check_cache, finish_heads, load_raw_heads, load_rope,
+                                                         qkv_projection, rope_cos_sin, rope_tables, store_kv)
 from flint_jax.pallas_kernels.weight_tiles import pow2_rows
 from flint_jax.state import FullCache, RingCache
 
@@ -82,6 +82,11 @@ RING_PRELOAD = True
 MAX_EXTRA_SLOTS = 4
 # Which split reads those extra slots (Python index: -1 = the last). Split 0 also writes the new K/V.
 RING_EXTRA_SPLIT = 0
+# Sliding layers read RoPE's cos/sin from a [B, 2, D/2] table that XLA computes once per step
+# (`attention_prologue.rope_cos_sin`, loaded with the first loads) instead of evaluating them in every program after
+# the head norm. Run DE's `no_rope` diagnostic put the in-kernel cos/sin at 0.4-0.7 us of the ring kernel's chain
+# (its large angles take the slow range reduction). Off until measured in the step on the GPU.
+ROPE_TABLE = False
 # The last-arriving program folds at most this many splits (FOLD_VALUES below per load); more splits (full layers at
 # long contexts: 64 at B = 1) go to the `combine` kernel, which folds them in parallel over (sequence, head)
 # programs: one program folding 128 splits cost 113 us per layer at 100K on the H200 (docs/BENCHMARKS.md).
@@ -164,7 +169,7 @@ def split_geometry(pos, active, *, fused: bool, splits: int, min_chunk: int):
 
 
 def _attn_kernel(*refs, mode, ring, sliding, B, Hq, KV, G, D, window, n_slots, splits, min_chunk, eps,
-                 num_refs_in, combine_here, compiled):
+                 num_refs_in, combine_here, compiled, rope_table):
     ins, outs = refs[:num_refs_in], refs[num_refs_in:]
     if combine_here:
         ins = ins[:-1]  # the arrival counters' input; the kernel uses the aliased output
@@ -174,7 +179,7 @@ def _attn_kernel(*refs, mode, ring, sliding, B, Hq, KV, G, D, window, n_slots, s
     inv_sqrt_d = 1.0 / math.sqrt(D)
 
     if mode == "fused":
-        qkv_ref, qn_ref, kn_ref, invf_ref, pos_ref, act_ref, sink_ref, *cache_in = ins
+        qkv_ref, qn_ref, kn_ref, rope_ref, pos_ref, act_ref, sink_ref, *cache_in = ins
     else:
         q_ref, pos_ref, act_ref, sink_ref, *cache_in = ins
     k_ref, v_ref = cache_in[0], cache_in[1]
@@ -190,9 +195,10 @@ def _attn_kernel(*refs, mode, ring, sliding, B, Hq, KV, G, D, window, n_slots, s
             extra_rows = [_load_ring_row(k_ref, v_ref, kpos_ref, b, kv, splits * chunk + e, extra_split, dh, D)
                           for e in range(extra)]
     if mode == "fused":
+        rope = load_rope(rope_ref, b) if rope_table else rope_ref  # the table: loaded with the first loads
         q1, q2, k1, k2, v_new = load_raw_heads(qkv_ref, b, kv, Hq=Hq, KV=KV, G=G, D=D)
-        q1, q2 = finish_heads(q1, q2, qn_ref, invf_ref, pos, eps=eps, sliding=sliding)
-        k1, k2 = finish_heads(k1, k2, kn_ref, invf_ref, pos, eps=eps, sliding=sliding)
+        q1, q2 = finish_heads(q1, q2, qn_ref, rope, pos, eps=eps, sliding=sliding)
+        k1, k2 = finish_heads(k1, k2, kn_ref, rope, pos, eps=eps, sliding=sliding)
     else:
         q1 = plgpu.load(q_ref.at[b, pl.ds(kv * G, ROWS), pl.ds(0, dh)], mask=gmask, other=0)
         q2 = plgpu.load(q_ref.at[b, pl.ds(kv * G, ROWS), pl.ds(dh, dh)], mask=gmask, other=0)
@@ -420,7 +426,8 @@ def _attention_call(mode, first_args, cache, positions, active, sinks, cfg, slid
     kernel = functools.partial(_attn_kernel, mode=mode, ring=ring, sliding=sliding, B=B, Hq=Hq, KV=KV,
                                G=cfg.q_per_kv, D=D, window=cfg.sliding_window, n_slots=n_slots, splits=splits,
                                min_chunk=min_chunk, eps=cfg.rms_norm_eps, num_refs_in=len(args),
-                               combine_here=combine_here, compiled=not interpret)
+                               combine_here=combine_here, compiled=not interpret,
+                               rope_table=mode == "fused" and sliding and first_args[3].ndim == 3)
     operands, in_specs = layer_stack.kernel_args(args)
     outs = pl.pallas_call(
         kernel, grid=(B, KV, splits), out_shape=out_shape, input_output_aliases=aliases, in_specs=in_specs,
@@ -463,7 +470,8 @@ def fused_decode_attention(qkv: jax.Array, attn, cache, positions: jax.Array, ac
                            interpret: bool = False):
     """From the raw projection qkv [B, Hq+2KV, D] (`qkv_projection`): finish Q/K, write K/V, attend.
     Returns (o [B, Hq, D] bf16, new cache)."""
-    return _attention_call("fused", [qkv, attn.q_norm, attn.k_norm, rope_tables(cfg)], cache, positions, active,
+    rope = rope_cos_sin(positions, cfg) if sliding and ROPE_TABLE else rope_tables(cfg)
+    return _attention_call("fused", [qkv, attn.q_norm, attn.k_norm, rope], cache, positions, active,
                            attn.sinks, cfg, sliding, splits, min_chunk, interpret)
 
 

@@ -12,6 +12,7 @@ profiler trace. Each variant changes one thing:
     splits16_bk32      16 splits of one 32-key block (64 programs), folded in the kernel in two rounds of loads
     splits16_bk32_f16k the same, the fold in one round (FOLD_VALUES 16384)
     splits16_combine   16 splits of one 32-key block, folded by `combine`
+    rope_table         RoPE's cos/sin read from a table XLA computes (decode_attention.ROPE_TABLE)
     extra_last         the 513th slot read by the last split instead of split 0 (which also writes K/V)
   diagnostics (wrong results on purpose; the probe patches the kernel module, only for that variant):
     no_rope            Q/K finished without RoPE (NoPE, as the full layers)
@@ -47,8 +48,8 @@ from flint_jax.state import RingCache  # noqa: E402
 
 
 def _no_rope(orig):
-    def finish(x1, x2, nw_ref, invf_ref, pos, *, eps, sliding):
-        return orig(x1, x2, nw_ref, invf_ref, pos, eps=eps, sliding=False)
+    def finish(x1, x2, nw_ref, rope, pos, *, eps, sliding):
+        return orig(x1, x2, nw_ref, rope, pos, eps=eps, sliding=False)
     return finish
 
 
@@ -61,6 +62,7 @@ KNOBS = {
                            (DA, "FOLD_VALUES", 16384)],
     "splits16_combine": [(DA, "RING_SPLITS", 16), (DA, "BLOCK_K", 32)],
     "extra_last": [(DA, "RING_EXTRA_SPLIT", -1)],  # the 513th slot read by split 7, not by split 0 (KV writer)
+    "rope_table": [(DA, "ROPE_TABLE", True)],
     "no_rope": [(DA, "finish_heads", "no_rope")],
     "no_kv_store": [(DA, "store_kv", "no_store")],
     "no_extra_slot": [(DA, "ring_geometry", "no_extra")],

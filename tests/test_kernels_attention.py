@@ -321,6 +321,34 @@ def test_attention_block_decode_split_ring(monkeypatch, weights, ring_splits, wi
         pos = pos + active.astype(jnp.int32)
 
 
+@pytest.mark.parametrize("weights", ["bf16", "nvfp4"])
+def test_rope_table_matches_in_kernel_rope(monkeypatch, weights):
+    """Sliding layers with RoPE's cos/sin from the per-step XLA table (DA.ROPE_TABLE) against the in-kernel cos/sin
+    and the reference, at positions whose angles need the large-argument range reduction (up to ~262K)."""
+    layer = params(weights).layers[0]
+    lengths = [0, 5, W + 3, 100_003, 262_000]
+    B = len(lengths)
+    cache = ring_cache(jax.random.key(50), [n - 1 for n in lengths])
+    pos = jnp.asarray(lengths, jnp.int32)
+    active = jnp.ones((B,), bool)
+    h = jax.random.normal(jax.random.key(51), (B, CFG.hidden_size)).astype(jnp.bfloat16)
+    table = AP.rope_cos_sin(pos, CFG)
+    angles = np.asarray(pos, np.float64)[:, None] * np.asarray(AP.rope_tables(CFG), np.float64)[None, :]
+    np.testing.assert_allclose(np.asarray(table[:, 0]), np.cos(angles), atol=2e-2)  # f32 angles: |err| ~ ulp(angle)
+    outs = {}
+    for on in (False, True):
+        monkeypatch.setattr(DA, "ROPE_TABLE", on)
+        run = _jit(DA.attention_block_decode, "cfg", "sliding", "splits", "min_chunk")  # a fresh trace per setting
+        outs[on] = run(h, layer, jax.tree.map(jnp.copy, cache), pos, active, cfg=CFG, sliding=True)
+    ref, ref_cache = block_r(h, layer, jax.tree.map(jnp.copy, cache), pos, active, cfg=CFG, sliding=True)
+    for on in (False, True):
+        got, got_cache = outs[on]
+        assert_out_close(got, ref)
+        assert_ulp_close(got_cache.k, ref_cache.k)
+    if INTERPRET:  # the same XLA cos/sin either way on the CPU: the same bits
+        np.testing.assert_array_equal(f32(outs[True][0]), f32(outs[False][0]))
+
+
 @pytest.mark.parametrize("weights", ["nvfp4", "bf16"])
 @pytest.mark.parametrize("B", [1, 3, 8])
 def test_qkv_projection(weights, B):
