@@ -127,9 +127,9 @@ def _load_ring_block(k_ref, v_ref, kpos_ref, b, kv, t0, active, n_slots: int, dh
 
 
 def default_splits(batch: int, kv_heads: int, sliding: bool) -> int:
-    """Splits of the key range per (sequence, KV head). Sliding layers: RING_SPLITS. Full layers: as many as keep the programs
-    within TARGET_PROGRAMS (one wave), a power of two where the kernel folds the splits itself (its fold loads
-    whole power-of-two groups); the `combine` kernel takes any count, used with ANY_SPLITS (B = 1: 66 splits)."""
+    """Splits of the key range per (sequence, KV head). Sliding layers: RING_SPLITS. Full layers: as many as keep
+    the programs within TARGET_PROGRAMS (one wave), a power of two where the kernel folds the splits itself (its fold
+    loads whole power-of-two groups); the `combine` kernel takes any count, used with ANY_SPLITS (B = 1: 66)."""
     if sliding:
         return RING_SPLITS
     fit = min(MAX_SPLITS, max(1, TARGET_PROGRAMS // (batch * kv_heads)))

@@ -132,7 +132,8 @@ def run_variant(name, cfg, inputs, interpret, calls):
         compile_s = time.time() - t
         o0 = outs[0][0]
         summary = device_trace.trace_call(lambda: [fn(qkvs, rings) for _ in range(calls)][-1], steps=calls)
-    row = {"variant": name, "compile_s": round(compile_s, 1), "o0_abs_mean": float(jnp.abs(o0.astype(jnp.float32)).mean())}
+    row = {"variant": name, "compile_s": round(compile_s, 1),
+           "o0_abs_mean": float(jnp.abs(o0.astype(jnp.float32)).mean())}
     if summary:
         layers = len(qkvs)
         row["span_us_per_layer"] = 1e3 * sorted(summary["step_spans_ms"])[len(summary["step_spans_ms"]) // 2] / layers

@@ -208,3 +208,24 @@ def test_mosaic_nvfp4_probes_lower_for_cuda(tmp_path):
     run_script("probe_mosaic_moe.py", "--out", str(tmp_path / "moe"), "--lower-only", "--variants", "q8_st4_nat_rt")
     moe = json.loads((tmp_path / "moe" / "probe_mosaic_moe.json").read_text())
     assert moe["experts"] == 256 and moe["variants"]["q8_st4_nat_rt"]["lowered_chars"] > 0
+
+
+def test_probe_ring_smoke(tmp_path):
+    """The ring probe's CPU mode: product variants give the same attention output (interpret mode: same bits), a
+    diagnostic that drops RoPE does not, and an unknown variant is refused."""
+    run_script("probe_ring.py", "--smoke", "--out", str(tmp_path), "--variants",
+               "base,fold_in_kernel,rope_table,no_rope")
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "probe_ring.json").read_text())["rows"]}
+    assert not any("error" in r for r in rows.values()), rows
+    assert rows["base"]["o0_abs_mean"] == rows["fold_in_kernel"]["o0_abs_mean"] == rows["rope_table"]["o0_abs_mean"]
+    assert rows["no_rope"]["o0_abs_mean"] != rows["base"]["o0_abs_mean"]
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "probe_ring.py"), "--smoke", "--out",
+                        str(tmp_path), "--variants", "base,nope"], capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == 2 and "unknown variants ['nope']" in p.stderr
+
+
+def test_probe_kernel_floor_smoke(tmp_path):
+    """The kernel-floor probe's CPU mode: each chain of kernels computes what it should (x + 1 per kernel)."""
+    run_script("probe_kernel_floor.py", "--smoke", "--out", str(tmp_path))
+    rows = json.loads((tmp_path / "probe_kernel_floor.json").read_text())["rows"]
+    assert len(rows) == 2 and all(r["result_ok"] for r in rows)
