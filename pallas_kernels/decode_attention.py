@@ -80,8 +80,6 @@ RING_SPLITS = 8
 # memory): preloading two blocks in registers spilled (run O: 17.1 us per layer against 14.8 looping, run G).
 RING_PRELOAD = True
 MAX_EXTRA_SLOTS = 4
-# Which split reads those extra slots (Python index: -1 = the last). Split 0 also writes the new K/V.
-RING_EXTRA_SPLIT = 0
 # Sliding layers read RoPE's cos/sin from a [B, 2, D/2] table that XLA computes once per step
 # (`attention_prologue.rope_cos_sin`, loaded with the first loads) instead of evaluating them in every program after
 # the head norm. Run DE's `no_rope` diagnostic put the in-kernel cos/sin at 0.4-0.7 us of the ring kernel's chain
@@ -191,8 +189,8 @@ def _attn_kernel(*refs, mode, ring, sliding, B, Hq, KV, G, D, window, n_slots, s
         lo = s * chunk
         if preload:  # issued before the query's loads: the two latencies overlap
             ring_tile = _load_ring_block(k_ref, v_ref, kpos_ref, b, kv, lo, active, n_slots, dh)
-            extra_split = active & (s == RING_EXTRA_SPLIT % splits)
-            extra_rows = [_load_ring_row(k_ref, v_ref, kpos_ref, b, kv, splits * chunk + e, extra_split, dh, D)
+            first_split = active & (s == 0)
+            extra_rows = [_load_ring_row(k_ref, v_ref, kpos_ref, b, kv, splits * chunk + e, first_split, dh, D)
                           for e in range(extra)]
     if mode == "fused":
         rope = load_rope(rope_ref, b) if rope_table else rope_ref  # the table: loaded with the first loads
@@ -427,7 +425,7 @@ def _attention_call(mode, first_args, cache, positions, active, sinks, cfg, slid
                                G=cfg.q_per_kv, D=D, window=cfg.sliding_window, n_slots=n_slots, splits=splits,
                                min_chunk=min_chunk, eps=cfg.rms_norm_eps, num_refs_in=len(args),
                                combine_here=combine_here, compiled=not interpret,
-                               rope_table=mode == "fused" and sliding and first_args[3].ndim == 3)
+                               rope_table=mode == "fused" and first_args[3].ndim == 3)  # a [B, 2, D/2] table
     operands, in_specs = layer_stack.kernel_args(args)
     outs = pl.pallas_call(
         kernel, grid=(B, KV, splits), out_shape=out_shape, input_output_aliases=aliases, in_specs=in_specs,

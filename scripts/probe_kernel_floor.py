@@ -17,6 +17,7 @@ import functools
 import json
 import os
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import flint_jax  # noqa: E402,F401  (XLA flags before JAX starts)
@@ -90,13 +91,14 @@ def main():
         ok = bool(jnp.all(y == n)) if mib == 0 else bool(jnp.all(jnp.isfinite(y)))
         row = {"programs": programs, "mib_per_kernel": mib, "kernels": n, "result_ok": ok}
         calls = 5
-        summary = device_trace.trace_call(lambda: [fn(x, ws) for _ in range(calls)][-1], steps=calls)
-        if summary:
-            spans = sorted(summary["step_spans_ms"])
-            row["span_us_per_kernel"] = 1e3 * spans[len(spans) // 2] / n
-            row["kernel_median_us"] = summary["rows"][0]["median_us"]
+        with tempfile.TemporaryDirectory() as d:
+            events = device_trace.trace_kernels(lambda: [fn(x, ws) for _ in range(calls)][-1], d)
+        if events:  # the n kernels of one call are per_layer's "layers"
+            figures = device_trace.per_layer(events, calls, n, (mib << 20) or None)
+            row["span_us_per_kernel"] = figures["device_us_per_layer"]
+            row["kernel_median_us"] = figures["kernels"][0]["median_us"]
             if mib:
-                row["GBps"] = (mib << 20) / (row["span_us_per_kernel"] * 1e-6) / 1e9
+                row["GBps"] = figures["GBps"]
         rows.append(row)
         print(json.dumps(row), flush=True)
         del ws

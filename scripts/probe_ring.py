@@ -1,4 +1,5 @@
-"""Probe: where the sliding layers' fused ring-attention kernel spends its ~9.3 us (issue 5's sliding block).
+"""Probe: where the sliding layers' fused ring-attention kernel spends its time (issue 5's sliding block; 9.2 us
+per layer in the step until run DF, 6.3 us + 1.5 us of `combine` since).
 
 Times `decode_attention.fused_decode_attention` on 35 distinct rings (Flint shape, batch 1, every slot valid) in one
 jitted program, as the decode step's 35 sliding layers run it, and reads each kernel's median device time from a
@@ -13,7 +14,6 @@ profiler trace. Each variant changes one thing:
     splits16_bk32_f16k the same, the fold in one round (FOLD_VALUES 16384)
     splits16_combine   16 splits of one 32-key block, folded by `combine`
     rope_table         RoPE's cos/sin read from a table XLA computes (decode_attention.ROPE_TABLE)
-    extra_last         the 513th slot read by the last split instead of split 0 (which also writes K/V)
   diagnostics (wrong results on purpose; the probe patches the kernel module, only for that variant):
     no_rope            Q/K finished without RoPE (NoPE, as the full layers)
     no_kv_store        the new K/V not written into the ring
@@ -33,7 +33,9 @@ import contextlib
 import json
 import os
 import sys
+import tempfile
 import time
+import types
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import flint_jax  # noqa: E402,F401  (XLA flags before JAX starts)
@@ -42,7 +44,6 @@ import jax.numpy as jnp  # noqa: E402
 
 from flint_jax import device_trace  # noqa: E402
 from flint_jax.config import FlintConfig  # noqa: E402
-from flint_jax.pallas_kernels import attention_prologue as AP  # noqa: E402
 from flint_jax.pallas_kernels import decode_attention as DA  # noqa: E402
 from flint_jax.state import RingCache  # noqa: E402
 
@@ -61,7 +62,6 @@ KNOBS = {
     "splits16_bk32_f16k": [(DA, "COMBINE_IN_KERNEL", True), (DA, "RING_SPLITS", 16), (DA, "BLOCK_K", 32),
                            (DA, "FOLD_VALUES", 16384)],
     "splits16_combine": [(DA, "RING_SPLITS", 16), (DA, "BLOCK_K", 32)],
-    "extra_last": [(DA, "RING_EXTRA_SPLIT", -1)],  # the 513th slot read by split 7, not by split 0 (KV writer)
     "rope_table": [(DA, "ROPE_TABLE", True)],
     "no_rope": [(DA, "finish_heads", "no_rope")],
     "no_kv_store": [(DA, "store_kv", "no_store")],
@@ -109,36 +109,29 @@ def make_inputs(cfg, layers, seed=0):
         rings.append(RingCache(k=jax.random.normal(k1, (B, KV, W, D), jnp.bfloat16),
                                v=jax.random.normal(k2, (B, KV, W, D), jnp.bfloat16), pos=pos))
         norms = 1 + 0.1 * jax.random.normal(k3, (2, D))
-        attns.append(dict(q_norm=norms[0].astype(jnp.bfloat16), k_norm=norms[1].astype(jnp.bfloat16),
-                          sinks=jax.random.normal(k3, (Hq,))))
+        attns.append(types.SimpleNamespace(q_norm=norms[0].astype(jnp.bfloat16),
+                                           k_norm=norms[1].astype(jnp.bfloat16), sinks=jax.random.normal(k3, (Hq,))))
     return qkvs, attns, rings, jnp.full((B,), p, jnp.int32), jnp.ones((B,), bool)
-
-
-class _Attn:
-    def __init__(self, d):
-        self.q_norm, self.k_norm, self.sinks = d["q_norm"], d["k_norm"], d["sinks"]
 
 
 def run_variant(name, cfg, inputs, interpret, calls):
     qkvs, attns, rings, pos, active = inputs
-    attn_objs = [_Attn(a) for a in attns]
     with variant(name):
         fn = jax.jit(lambda qkvs, rings: [DA.fused_decode_attention(x, a, r, pos, active, cfg, True,
                                                                     interpret=interpret)
-                                          for x, a, r in zip(qkvs, attn_objs, rings)])
+                                          for x, a, r in zip(qkvs, attns, rings)])
         t = time.time()
         outs = fn(qkvs, rings)
         jax.block_until_ready(outs)
         compile_s = time.time() - t
         o0 = outs[0][0]
-        summary = device_trace.trace_call(lambda: [fn(qkvs, rings) for _ in range(calls)][-1], steps=calls)
+        with tempfile.TemporaryDirectory() as d:
+            events = device_trace.trace_kernels(lambda: [fn(qkvs, rings) for _ in range(calls)][-1], d)
     row = {"variant": name, "compile_s": round(compile_s, 1),
            "o0_abs_mean": float(jnp.abs(o0.astype(jnp.float32)).mean())}
-    if summary:
-        layers = len(qkvs)
-        row["span_us_per_layer"] = 1e3 * sorted(summary["step_spans_ms"])[len(summary["step_spans_ms"]) // 2] / layers
-        row["kernels"] = [{"name": r["name"][:50], "per_layer": r["per_step"] / layers, "median_us": r["median_us"]}
-                          for r in summary["rows"] if r["per_step"] >= layers]
+    if events:
+        figures = device_trace.per_layer(events, calls, len(qkvs))
+        row["span_us_per_layer"], row["kernels"] = figures["device_us_per_layer"], figures["kernels"]
     return row
 
 

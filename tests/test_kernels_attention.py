@@ -282,17 +282,17 @@ def test_combine_modes(monkeypatch, in_kernel, fold):
     assert ("decode_attention_combine" in text) != in_kernel
 
 
-@pytest.mark.parametrize("weights,ring_splits,window,block_k,preload,fold_in_kernel,extra_split", [
-    ("bf16", 8, 200, 64, True, False, 0), ("nvfp4", 8, 200, 64, True, False, 0),
-    ("nvfp4", 8, 200, 64, True, True, 0),  # folded by the last-arriving split instead of `combine`
-    ("nvfp4", 16, 200, 64, True, False, 0), ("nvfp4", 16, 200, 64, True, True, 0),
-    ("nvfp4", 8, 200, 64, False, False, 0),  # the loop over blocks
-    ("bf16", 8, 131, 16, True, False, 0),  # 8 blocks of 16 and 3 extra slots, read one by one by split 0
-    ("bf16", 8, 131, 16, True, True, -1),  # ... by the last split, folded in the kernel
-    ("nvfp4", 8, 137, 16, True, False, 0),  # 9 extra slots: too many, so splits of 2 blocks and the loop
+@pytest.mark.parametrize("weights,ring_splits,window,block_k,preload,fold_in_kernel", [
+    ("bf16", 8, 200, 64, True, False), ("nvfp4", 8, 200, 64, True, False),
+    ("nvfp4", 8, 200, 64, True, True),  # folded by the last-arriving split instead of `combine`
+    ("nvfp4", 16, 200, 64, True, False), ("nvfp4", 16, 200, 64, True, True),
+    ("nvfp4", 8, 200, 64, False, False),  # the loop over blocks
+    ("bf16", 8, 131, 16, True, False),  # 8 blocks of 16 and 3 extra slots, read one by one by split 0
+    ("bf16", 8, 131, 16, True, True),  # ... folded in the kernel
+    ("nvfp4", 8, 137, 16, True, False),  # 9 extra slots: too many, so splits of 2 blocks and the loop
 ])
 def test_attention_block_decode_split_ring(monkeypatch, weights, ring_splits, window, block_k, preload,
-                                           fold_in_kernel, extra_split):
+                                           fold_in_kernel):
     """A sliding layer whose ring is split over several programs (200 slots in chunks of 64: four hold keys, the
     rest fold as empty; or Flint's layout scaled down: a block per split plus a few extra slots), fused finish +
     write + attend, the splits folded by `combine` or in the kernel, two steps, against the reference."""
@@ -300,7 +300,6 @@ def test_attention_block_decode_split_ring(monkeypatch, weights, ring_splits, wi
     monkeypatch.setattr(DA, "BLOCK_K", block_k)
     monkeypatch.setattr(DA, "RING_PRELOAD", preload)
     monkeypatch.setattr(DA, "COMBINE_IN_KERNEL", fold_in_kernel)
-    monkeypatch.setattr(DA, "RING_EXTRA_SPLIT", extra_split)
     chunk, extra, pre = DA.ring_geometry(window, ring_splits)
     assert pre == (preload and window != 137) and extra == (3 if window == 131 else 0)
     block_k = _jit(DA.attention_block_decode, "cfg", "sliding", "splits", "min_chunk")  # a fresh trace
