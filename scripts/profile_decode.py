@@ -124,9 +124,12 @@ class variant:
 
     def __init__(self, name: str):
         table = _variants()
-        if name not in table:
-            raise SystemExit(f"unknown variant {name!r}; known: {', '.join(table)}")
-        self.sets = table[name]
+        parts = name.split("+")  # "a+b": both variants' knobs (parameter variants do not combine)
+        for part in parts:
+            if part not in table or (len(parts) > 1 and part in PARAM_VARIANTS):
+                raise SystemExit(f"unknown variant {part!r} in {name!r}; known: {', '.join(table)} "
+                                 "(knob variants combine with '+')")
+        self.sets = [s for part in parts for s in table[part]]
 
     def __enter__(self):
         self.old = [(m, a, getattr(m, a)) for m, a, _ in self.sets]

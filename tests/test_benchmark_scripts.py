@@ -51,6 +51,25 @@ def test_profile_decode_rejects_unknown_variant(tmp_path):
     assert p.returncode != 0 and "unknown variant 'nonsense'" in (p.stdout + p.stderr)
 
 
+def test_profile_decode_variants_combine_with_plus():
+    """"a+b" sets both variants' knobs inside the context and restores both after it; an unknown part is refused."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("profile_decode", os.path.join(ROOT, "scripts", "profile_decode.py"))
+    pd = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pd)
+    from flint_jax.pallas_kernels import decode_attention as DA
+    before = (DA.ROPE_TABLE, DA.RING_SPLITS)
+    with pd.variant("rope_table+ring_splits16"):
+        assert (DA.ROPE_TABLE, DA.RING_SPLITS) == (True, 16)
+    assert (DA.ROPE_TABLE, DA.RING_SPLITS) == before
+    try:
+        pd.variant("rope_table+nonsense")
+    except SystemExit as e:
+        assert "unknown variant 'nonsense'" in str(e)
+    else:
+        raise AssertionError("an unknown part was accepted")
+
+
 def test_bench_engine_tiny(tmp_path):
     """Engine.generate per variant; overlap_dispatch, the burst length and stacked parameters leave the tokens
     unchanged on the CPU, and stacking cuts the buffers handed over per call."""
