@@ -82,9 +82,10 @@ RING_PRELOAD = True
 MAX_EXTRA_SLOTS = 4
 # Sliding layers read RoPE's cos/sin from a [B, 2, D/2] table that XLA computes once per step
 # (`attention_prologue.rope_cos_sin`, loaded with the first loads) instead of evaluating them in every program after
-# the head norm. Run DE's `no_rope` diagnostic put the in-kernel cos/sin at 0.4-0.7 us of the ring kernel's chain
-# (its large angles take the slow range reduction). Off until measured in the step on the GPU.
-ROPE_TABLE = False
+# the head norm (their large angles take the slow range reduction). Measured on the H200 (run DI, docs/BENCHMARKS.md,
+# NVFP4 step at 100K, batch 1): ring kernel 6.3 -> 5.6 us, step 2.333 -> 2.309 ms, for one more XLA kernel per step
+# (the table, ~1.1 us; XLA's CSE keeps one for the 35 layers).
+ROPE_TABLE = True
 # The last-arriving program folds at most this many splits (FOLD_VALUES below per load); more splits (full layers at
 # long contexts: 64 at B = 1) go to the `combine` kernel, which folds them in parallel over (sequence, head)
 # programs: one program folding 128 splits cost 113 us per layer at 100K on the H200 (docs/BENCHMARKS.md).

@@ -13,7 +13,8 @@ profiler trace. Each variant changes one thing:
     splits16_bk32      16 splits of one 32-key block (64 programs), folded in the kernel in two rounds of loads
     splits16_bk32_f16k the same, the fold in one round (FOLD_VALUES 16384)
     splits16_combine   16 splits of one 32-key block, folded by `combine`
-    rope_table         RoPE's cos/sin read from a table XLA computes (decode_attention.ROPE_TABLE)
+    rope_table         RoPE's cos/sin read from a table XLA computes (decode_attention.ROPE_TABLE; the product since DI)
+    rope_in_kernel     RoPE's cos/sin evaluated in every program (the product until run DI)
   diagnostics (wrong results on purpose; the probe patches the kernel module, only for that variant):
     no_rope            Q/K finished without RoPE (NoPE, as the full layers)
     no_kv_store        the new K/V not written into the ring
@@ -63,6 +64,7 @@ KNOBS = {
                            (DA, "FOLD_VALUES", 16384)],
     "splits16_combine": [(DA, "RING_SPLITS", 16), (DA, "BLOCK_K", 32)],
     "rope_table": [(DA, "ROPE_TABLE", True)],
+    "rope_in_kernel": [(DA, "ROPE_TABLE", False)],
     "no_rope": [(DA, "finish_heads", "no_rope")],
     "no_kv_store": [(DA, "store_kv", "no_store")],
     "no_extra_slot": [(DA, "ring_geometry", "no_extra")],

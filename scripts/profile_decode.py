@@ -72,7 +72,8 @@ def _variants():
         # the split partials folded by the last-arriving program (the default before run DF): the rings, and the
         # full layers at B >= 4 (16 or 8 splits)
         "fold_in_kernel": [(DA, "COMBINE_IN_KERNEL", True)],
-        "rope_table": [(DA, "ROPE_TABLE", True)],  # sliding layers: cos/sin from a per-step XLA table
+        "rope_table": [(DA, "ROPE_TABLE", True)],  # sliding layers: cos/sin from a per-step XLA table (default, DI)
+        "rope_in_kernel": [(DA, "ROPE_TABLE", False)],  # cos/sin evaluated in every ring program (before run DI)
         "topk_per_program": [(ME, "ROUTE_IN_ROUTER", False)],  # the default since run G
         "topk_in_router": [(ME, "ROUTE_IN_ROUTER", True)],
         "down_recomputes_topk": [(ME, "ROUTING_TO_DOWN", False)],

@@ -59,11 +59,11 @@ def test_profile_decode_variants_combine_with_plus():
     spec.loader.exec_module(pd)
     from flint_jax.pallas_kernels import decode_attention as DA
     before = (DA.ROPE_TABLE, DA.RING_SPLITS)
-    with pd.variant("rope_table+ring_splits16"):
-        assert (DA.ROPE_TABLE, DA.RING_SPLITS) == (True, 16)
+    with pd.variant("rope_in_kernel+ring_splits16"):
+        assert (DA.ROPE_TABLE, DA.RING_SPLITS) == (False, 16)
     assert (DA.ROPE_TABLE, DA.RING_SPLITS) == before
     try:
-        pd.variant("rope_table+nonsense")
+        pd.variant("rope_in_kernel+nonsense")
     except SystemExit as e:
         assert "unknown variant 'nonsense'" in str(e)
     else:
@@ -145,7 +145,8 @@ def test_bench_prefill_tiny(tmp_path):
     one program it was before prefill_pipeline, and the synthetic
     model's routing balance with the grouped GEMMs timed at it."""
     run_script("bench_prefill.py", "--tiny", "--check", "--out", str(tmp_path), "--weights", "nvfp4",
-               "--skip", "moe,attn,jax,extras", "--no-sweep", "--program-variants", "default,no_command_buffers,one_program")
+               "--skip", "moe,attn,jax,extras", "--no-sweep", "--program-variants",
+               "default,no_command_buffers,one_program")
     res = json.loads((tmp_path / "bench_prefill.json").read_text())
     assert res["check"] and all(v["ok"] for v in res["check"].values())
     assert "grouped_swiglu, rows gathered by index nvfp4" in res["check"]
@@ -233,10 +234,10 @@ def test_probe_ring_smoke(tmp_path):
     """The ring probe's CPU mode: product variants give the same attention output (interpret mode: same bits), a
     diagnostic that drops RoPE does not, and an unknown variant is refused."""
     run_script("probe_ring.py", "--smoke", "--out", str(tmp_path), "--variants",
-               "base,fold_in_kernel,rope_table,no_rope")
+               "base,fold_in_kernel,rope_in_kernel,no_rope")
     rows = {r["variant"]: r for r in json.loads((tmp_path / "probe_ring.json").read_text())["rows"]}
     assert not any("error" in r for r in rows.values()), rows
-    assert rows["base"]["o0_abs_mean"] == rows["fold_in_kernel"]["o0_abs_mean"] == rows["rope_table"]["o0_abs_mean"]
+    assert rows["base"]["o0_abs_mean"] == rows["fold_in_kernel"]["o0_abs_mean"] == rows["rope_in_kernel"]["o0_abs_mean"]
     assert rows["no_rope"]["o0_abs_mean"] != rows["base"]["o0_abs_mean"]
     p = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "probe_ring.py"), "--smoke", "--out",
                         str(tmp_path), "--variants", "base,nope"], capture_output=True, text=True, cwd=ROOT)
