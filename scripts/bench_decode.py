@@ -234,6 +234,9 @@ def main(argv=None) -> int:
     ap.add_argument("--served-steps", type=int, default=4,
                     help="also time the engine's multi-step decode (this many steps per dispatch) at batch 1 and "
                          "the first context, Pallas only; 0 = skip")
+    ap.add_argument("--max-kv-gb", type=float, default=40.0,
+                    help="skip contexts over 100K at a batch whose full caches would take more (GB; batch 8 at 262K "
+                         "needs 60 with NVFP4's 23 GB of weights, BF16's 80 GB leave no room for it)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new points after this many seconds")
     args = ap.parse_args(argv)
     t_start = time.time()
@@ -287,8 +290,13 @@ def main(argv=None) -> int:
                     break
                 max_len = max(ctxs) + 8
                 kv_gb = batch * (len(cfg.full_layers) * max_len * 2 * cfg.num_key_value_heads * cfg.head_dim * 2) / 1e9
-                if not args.tiny and kv_gb > 40:
-                    ctxs = [c for c in ctxs if c <= 100_000]
+                if not args.tiny and kv_gb > args.max_kv_gb:
+                    kept = [c for c in ctxs if c <= 100_000]
+                    log(f"{weights}/{impl} B={batch}: the full caches for context {max(ctxs)} take {kv_gb:.0f} GB "
+                        f"(> --max-kv-gb {args.max_kv_gb:g}): skipping {[c for c in ctxs if c > 100_000]}")
+                    if not kept:
+                        continue
+                    ctxs = kept
                     max_len = max(ctxs) + 8
                 state = random_state(cfg, batch, max_len, ctxs[0], jax.random.key(2))
                 if stacked_caches:
