@@ -32,8 +32,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="longest sequence a request may reach (default: min(2048, the model's context))")
     p.add_argument("--steps-per-dispatch", type=steps_per_dispatch_arg, default=1,
                    help="decode steps per device call; tokens then print in bursts of this many. Each call is "
-                        "dispatched while the previous one runs, so 1 was the fastest on the H200 (Flint, Pallas, "
-                        "batch 1, 100K prompt: 2.71 ms/token at 1, 2.79 at 4; docs/BENCHMARKS.md run CD) (default: 1)")
+                        "dispatched while the previous one runs; on the H200 (Flint, Pallas, batch 1, 100K prompt) "
+                        "4 steps ran at 2.448 ms/token against 2.500 at 1 (docs/BENCHMARKS.md runs DJ, DM), for a "
+                        "longer compile of the unrolled steps (default: 1)")
     p.add_argument("--prefill-chunk", type=int, default=256,
                    help="prompt tokens per prefill call (one compiled program per size); on a GPU with long "
                         "prompts use thousands, e.g. 8192 (default: 256)")
