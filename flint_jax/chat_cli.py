@@ -66,7 +66,7 @@ def _turn(engine, messages, tools, args, out) -> dict:
 
 
 def run(args) -> int:
-    from flint_jax.cli import resolve_max_len
+    from flint_jax.cli import resolve_impl, resolve_max_len
     from flint_jax.engine import Engine
     from flint_jax.runtime import engine_params, load_runtime
 
@@ -74,8 +74,9 @@ def run(args) -> int:
     rt = load_runtime(args.model, announce=lambda m: print(m, file=sys.stderr))
     if tools is None:
         tools = rt.default_tools
-    engine = Engine(rt.cfg, engine_params(rt, args.impl), max_batch=1, max_len=resolve_max_len(args, rt),
-                    impl=args.impl, steps_per_dispatch=args.steps_per_dispatch,
+    impl = resolve_impl(args)
+    engine = Engine(rt.cfg, engine_params(rt, impl), max_batch=1, max_len=resolve_max_len(args, rt),
+                    impl=impl, steps_per_dispatch=args.steps_per_dispatch,
                     chunk_size=args.prefill_chunk,
                     tokenizer=rt.tokenizer, chat_template=rt.chat_template)
     messages = [{"role": "system", "content": args.system}] if args.system else []

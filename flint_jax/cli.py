@@ -25,9 +25,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default",
                    help="a Flint GGUF file, a Hugging Face directory, a converted checkpoint, or 'default' "
                         "(the model shipped with flint-jax)")
-    p.add_argument("--impl", choices=("xla", "pallas"), default="xla",
+    p.add_argument("--impl", choices=("xla", "pallas"), default=None,
                    help="decode path: the XLA reference or the fused Pallas kernels, which run on the layers' "
-                        "parameters stacked into a few buffers (default: xla)")
+                        "parameters stacked into a few buffers: the fast path on a GPU (on a CPU they run in "
+                        "Pallas interpret mode, for tests) (default: xla)")
     p.add_argument("--max-len", type=int, default=None,
                    help="longest sequence a request may reach (default: min(2048, the model's context))")
     p.add_argument("--steps-per-dispatch", type=steps_per_dispatch_arg, default=1,
@@ -49,6 +50,17 @@ def steps_per_dispatch_arg(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
     return value
+
+
+def resolve_impl(args) -> str:
+    """--impl, "xla" when not given; on a GPU the default says that the Pallas path is the fast one."""
+    if args.impl is not None:
+        return args.impl
+    import jax
+    if jax.default_backend() == "gpu":
+        print("decode path: the XLA reference (--impl pallas runs the fused decode kernels, the fast path on a GPU)",
+              file=sys.stderr)
+    return "xla"
 
 
 def resolve_max_len(args, rt) -> int:
@@ -85,9 +97,9 @@ def run_generate(args) -> int:
     prompt_ids = rt.tokenizer.encode(text)
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                               max_tokens=args.max_tokens, seed=args.seed, stop_token_ids=rt.stop_token_ids)
-    engine = Engine(rt.cfg, engine_params(rt, args.impl), max_batch=1, max_len=resolve_max_len(args, rt),
-                    impl=args.impl, steps_per_dispatch=args.steps_per_dispatch,
-                    chunk_size=args.prefill_chunk)
+    impl = resolve_impl(args)
+    engine = Engine(rt.cfg, engine_params(rt, impl), max_batch=1, max_len=resolve_max_len(args, rt),
+                    impl=impl, steps_per_dispatch=args.steps_per_dispatch, chunk_size=args.prefill_chunk)
     decoder = IncrementalDecoder(rt.tokenizer)
     sys.stdout.write(args.prompt if not args.chat else "")
     t0 = time.perf_counter()

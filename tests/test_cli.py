@@ -36,6 +36,15 @@ def test_generate_prefill_chunk_does_not_change_the_tokens():
     assert whole.stdout == chunked.stdout
 
 
+def test_generate_pallas_path_gives_the_reference_tokens():
+    """`--impl pallas` (the fused decode kernels, in interpret mode on the CPU) on the default model: the same greedy
+    tokens as the XLA reference."""
+    args = ("generate", "--prompt", "What is 2 + 2?", "--chat", "--max-tokens", "6", "--temperature", "0")
+    ref, fused = flint(*args), flint(*args, "--impl", "pallas")
+    assert ref.returncode == 0 and fused.returncode == 0, ref.stderr + fused.stderr
+    assert "6 tokens" in ref.stderr and ref.stdout == fused.stdout
+
+
 def test_chat_one_shot_with_the_default_model_shows_the_tool_call():
     r = flint("chat", "--message", "How many miles is 43 kilometers?", "--temperature", "0", "--json")
     assert r.returncode == 0, r.stderr
