@@ -189,7 +189,7 @@ class Engine:
     wastes the rest of that burst's compute on its row. With overlap_dispatch on the H200 (Flint, NVFP4, Pallas,
     batch 1, 100K prompt; docs/BENCHMARKS.md): 2.500 ms/token at 1 (the default), 2.448 at 4 (runs DJ, DM); 4 was
     slower until the 4-step program stopped copying 35 buffers per step (2.65 and 2.72 in run CG). The n-step
-    program takes longer to compile (~114 s against ~30-55 s for one step on the GPU machine).
+    program takes longer to compile (4 steps: ~114 s in run F; one step: 25-57 s in runs DI-DL, GPU machine).
     overlap_dispatch: dispatch each burst before the host reads the previous one's tokens (the next burst reads the
     last burst's tokens on the device), so the host's work runs while the device works instead of after it; a
     request's tokens are the same either way. A request that stops costs its row the burst already in flight, whose

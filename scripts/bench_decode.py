@@ -291,12 +291,11 @@ def main(argv=None) -> int:
                 max_len = max(ctxs) + 8
                 kv_gb = batch * (len(cfg.full_layers) * max_len * 2 * cfg.num_key_value_heads * cfg.head_dim * 2) / 1e9
                 if not args.tiny and kv_gb > args.max_kv_gb:
-                    kept = [c for c in ctxs if c <= 100_000]
                     log(f"{weights}/{impl} B={batch}: the full caches for context {max(ctxs)} take {kv_gb:.0f} GB "
-                        f"(> --max-kv-gb {args.max_kv_gb:g}): skipping {[c for c in ctxs if c > 100_000]}")
-                    if not kept:
+                        f"(> --max-kv-gb {args.max_kv_gb:g}): skipping the contexts over 100K")
+                    ctxs = [c for c in ctxs if c <= 100_000]
+                    if not ctxs:
                         continue
-                    ctxs = kept
                     max_len = max(ctxs) + 8
                 state = random_state(cfg, batch, max_len, ctxs[0], jax.random.key(2))
                 if stacked_caches:
