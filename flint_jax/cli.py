@@ -28,7 +28,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--impl", choices=("xla", "pallas"), default=None,
                    help="decode path: the XLA reference or the fused Pallas kernels, which run on the layers' "
                         "parameters stacked into a few buffers: the fast path on a GPU (on a CPU they run in "
-                        "Pallas interpret mode, for tests) (default: xla)")
+                        "Pallas interpret mode, for tests) (default: pallas on a GPU, xla elsewhere)")
     p.add_argument("--max-len", type=int, default=None,
                    help="longest sequence a request may reach (default: min(2048, the model's context))")
     p.add_argument("--steps-per-dispatch", type=steps_per_dispatch_arg, default=1,
@@ -53,14 +53,13 @@ def steps_per_dispatch_arg(text: str) -> int:
 
 
 def resolve_impl(args) -> str:
-    """--impl, "xla" when not given; on a GPU the default says that the Pallas path is the fast one."""
+    """--impl; when not given, the fused Pallas kernels on a GPU (compiled there; on the H200 the demo model gives
+    the reference's greedy tokens, docs/BENCHMARKS.md run DN) and the XLA reference elsewhere (Pallas' interpret mode
+    on a CPU is for tests, ~5x slower)."""
     if args.impl is not None:
         return args.impl
     import jax
-    if jax.default_backend() == "gpu":
-        print("decode path: the XLA reference (--impl pallas runs the fused decode kernels, the fast path on a GPU)",
-              file=sys.stderr)
-    return "xla"
+    return "pallas" if jax.default_backend() == "gpu" else "xla"
 
 
 def resolve_max_len(args, rt) -> int:

@@ -19,6 +19,10 @@ slice of the previous layer's output. Variants (same arithmetic, same bytes):
   mosaic_pdl      Mosaic GPU, weight TMA issued, then griddepcontrol_wait, then the dependent input
   mosaic_pdl_late Mosaic GPU with PDL but the weight load after the wait (the overlap only of launch, not of loads)
   mixed           layers alternate triton and mosaic_pdl (question 3)
+  mosaic_pdl_attr, mosaic_pdl_late_attr
+                  mosaic_pdl / mosaic_pdl_late with `uses_pdl = true` added to the custom call's backend config: XLA's
+                  FFI custom-call thunk reads that attribute (when --xla_gpu_enable_pdl is on) to give the call a
+                  programmatic dependency on its predecessor; jax 0.11.2's Mosaic GPU lowering does not set it
 
 For each: device time per chain (profiler trace: first kernel start to last kernel end), wall time per call,
 kernels per chain, the kernels' custom-call targets in the compiled HLO, and the check that the chain's result
@@ -33,6 +37,7 @@ HLO text (command buffers are formed below it): compare a run with XLA_FLAGS=--x
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -53,7 +58,30 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from flint_jax import device_trace, pallas_path  # noqa: E402
 
 TILE_ROWS, TILE_COLS, OUT_PER_PROGRAM = 128, 256, 128
-VARIANTS = ("triton", "mosaic", "mosaic_pdl", "mosaic_pdl_late", "mixed")
+VARIANTS = ("triton", "mosaic", "mosaic_pdl", "mosaic_pdl_late", "mixed", "mosaic_pdl_attr", "mosaic_pdl_late_attr")
+
+
+@contextlib.contextmanager
+def uses_pdl_attribute(enabled: bool):
+    """While active, every Mosaic GPU custom call is lowered with `uses_pdl = true` in its backend config."""
+    if not enabled:
+        yield
+        return
+    from jax._src.interpreters import mlir
+    from jax._src.lib.mlir import ir
+    original = mlir.custom_call
+
+    def custom_call(call_target_name, **kwargs):
+        config = kwargs.get("backend_config")
+        if call_target_name == "mosaic_gpu_v2" and isinstance(config, dict):
+            kwargs["backend_config"] = {**config, "uses_pdl": ir.BoolAttr.get(True)}
+        return original(call_target_name, **kwargs)
+
+    mlir.custom_call = custom_call
+    try:
+        yield
+    finally:
+        mlir.custom_call = original
 
 
 def mosaic_layer(programs: int, pdl: bool, weights_before_wait: bool):
@@ -119,6 +147,8 @@ def chain(variant: str, programs: int, layers: int):
         "mosaic": [mosaic_layer(programs, False, True)] * layers,
         "mosaic_pdl": [mosaic_layer(programs, True, True)] * layers,
         "mosaic_pdl_late": [mosaic_layer(programs, True, False)] * layers,
+        "mosaic_pdl_attr": [mosaic_layer(programs, True, True)] * layers,
+        "mosaic_pdl_late_attr": [mosaic_layer(programs, True, False)] * layers,
         "mixed": [triton_layer(programs) if l % 2 == 0 else mosaic_layer(programs, True, True) for l in range(layers)],
         "reference": [reference_layer] * layers,
     }[variant]
@@ -136,6 +166,42 @@ def custom_call_report(compiled_text: str) -> dict:
     """The kernels' custom-call targets in the optimised HLO (Triton, Mosaic GPU) and how many calls."""
     custom_calls = re.findall(r'custom_call_target="([^"]+)"', compiled_text)
     return {"custom_call_targets": sorted(set(custom_calls)), "custom_calls": len(custom_calls)}
+
+
+def measure(v: str, programs: int, args, x0, weights, expected, nbytes: int) -> dict:
+    """Build, check and time one variant's chain; a variant that fails to build gives its error."""
+    t0 = time.perf_counter()
+    try:
+        run = chain(v, programs, args.layers)
+        compiled = run.lower(x0, weights).compile()
+        got = np.asarray(run(x0, weights))
+    except Exception as e:  # one variant failing to build must not hide the others
+        print(f"[probe_pdl] {v}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
+        return {"error": f"{type(e).__name__}: {e}"[:2000]}
+    err = float(np.max(np.abs(got - expected)))
+    events = device_trace.trace_kernels(
+        lambda: [run(x0, weights) for _ in range(args.steps)][-1], os.path.join(args.trace_dir, f"trace_{v}"))
+    dev = device_trace.device_ms(events, args.steps)
+    walls = []
+    for _ in range(args.steps * 3):
+        t = time.perf_counter()
+        run(x0, weights).block_until_ready()
+        walls.append(time.perf_counter() - t)
+    per_step = len(events) // args.steps if events else None
+    durs = [float(e["dur"]) for e in events]
+    entry = {"max_abs_err": err, "device_ms": dev, "wall_ms": statistics.median(walls) * 1e3,
+             "kernels_per_chain": per_step, "kernel_us_median": statistics.median(durs) if durs else None,
+             "us_per_layer": dev * 1e3 / args.layers if dev else None,
+             "GBps": nbytes / (dev * 1e-3) / 1e9 if dev else None,
+             "compile_and_check_s": time.perf_counter() - t0,
+             "xla_flags": os.environ.get("XLA_FLAGS", ""),
+             **custom_call_report(compiled.as_text())}
+    print(f"[probe_pdl] {v}: device {dev} ms ({entry['us_per_layer']} us/layer), wall {entry['wall_ms']:.3f} ms,"
+          f" {per_step} kernels, kernel median {entry['kernel_us_median']} us, err {err:.2e}, "
+          f"targets {entry['custom_call_targets']}", flush=True)
+    with open(os.path.join(args.out, f"hlo_{v}.txt"), "w") as f:
+        f.write(compiled.as_text())
+    return entry
 
 
 def main(argv=None) -> int:
@@ -163,11 +229,12 @@ def main(argv=None) -> int:
 
     if args.lower_only:
         for v in variants:
-            with pallas_path.lowering_for_gpu():
+            with pallas_path.lowering_for_gpu(), uses_pdl_attribute(v.endswith("_attr")):
                 text = chain(v, programs, args.layers).trace(x_shape, w_shapes).lower(
                     lowering_platforms=("cuda",)).as_text()
             results["variants"][v] = {"lowered_chars": len(text), "mosaic_calls": text.count("mosaic_gpu"),
-                                      "uses_pdl": text.count("mosaic_gpu.uses_pdl")}
+                                      "uses_pdl": text.count("mosaic_gpu.uses_pdl"),
+                                      "uses_pdl_config": text.count("uses_pdl = true")}
             print(f"[probe_pdl] {v}: lowered ({len(text)} chars, uses_pdl x{text.count('mosaic_gpu.uses_pdl')})",
                   flush=True)
         json.dump(results, open(os.path.join(args.out, "probe_pdl.json"), "w"), indent=1)
@@ -180,38 +247,9 @@ def main(argv=None) -> int:
     expected = np.asarray(chain("reference", programs, args.layers)(x0, weights))
     nbytes = args.layers * rows * TILE_COLS * 2
     for v in variants:
-        t0 = time.perf_counter()
-        try:
-            run = chain(v, programs, args.layers)
-            compiled = run.lower(x0, weights).compile()
-            got = np.asarray(run(x0, weights))
-        except Exception as e:  # one variant failing to build must not hide the others
-            results["variants"][v] = {"error": f"{type(e).__name__}: {e}"[:2000]}
-            print(f"[probe_pdl] {v}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
-            continue
-        err = float(np.max(np.abs(got - expected)))
-        events = device_trace.trace_kernels(
-            lambda: [run(x0, weights) for _ in range(args.steps)][-1], os.path.join(args.trace_dir, f"trace_{v}"))
-        dev = device_trace.device_ms(events, args.steps)
-        walls = []
-        for _ in range(args.steps * 3):
-            t = time.perf_counter()
-            run(x0, weights).block_until_ready()
-            walls.append(time.perf_counter() - t)
-        per_step = len(events) // args.steps if events else None
-        durs = [float(e["dur"]) for e in events]
-        entry = {"max_abs_err": err, "device_ms": dev, "wall_ms": statistics.median(walls) * 1e3,
-                 "kernels_per_chain": per_step, "kernel_us_median": statistics.median(durs) if durs else None,
-                 "us_per_layer": dev * 1e3 / args.layers if dev else None,
-                 "GBps": nbytes / (dev * 1e-3) / 1e9 if dev else None,
-                 "compile_and_check_s": time.perf_counter() - t0,
-                 **custom_call_report(compiled.as_text())}
+        with uses_pdl_attribute(v.endswith("_attr")):
+            entry = measure(v, programs, args, x0, weights, expected, nbytes)
         results["variants"][v] = entry
-        print(f"[probe_pdl] {v}: device {dev} ms ({entry['us_per_layer']} us/layer), wall {entry['wall_ms']:.3f} ms,"
-              f" {per_step} kernels, kernel median {entry['kernel_us_median']} us, err {err:.2e}, "
-              f"targets {entry['custom_call_targets']}", flush=True)
-        with open(os.path.join(args.out, f"hlo_{v}.txt"), "w") as f:
-            f.write(compiled.as_text())
         json.dump(results, open(os.path.join(args.out, "probe_pdl.json"), "w"), indent=1)
     json.dump(results, open(os.path.join(args.out, "probe_pdl.json"), "w"), indent=1)
     return 0

@@ -57,3 +57,18 @@ def test_chat_bad_tools_file_exits_1(tmp_path):
     bad.write_text("{not json")
     r = flint("chat", "--message", "hi", "--tools", str(bad))
     assert r.returncode == 1 and "tools.json: not valid JSON" in r.stderr
+
+
+def test_impl_defaults_to_pallas_only_on_a_gpu(monkeypatch):
+    """Without --impl the CLI runs the fused kernels where they compile (a GPU) and the reference elsewhere; an
+    explicit --impl always wins."""
+    import argparse
+
+    import jax
+
+    from flint_jax.cli import resolve_impl
+    for backend, expected in (("gpu", "pallas"), ("cpu", "xla")):
+        monkeypatch.setattr(jax, "default_backend", lambda b=backend: b)
+        assert resolve_impl(argparse.Namespace(impl=None)) == expected
+        assert resolve_impl(argparse.Namespace(impl="xla")) == "xla"
+        assert resolve_impl(argparse.Namespace(impl="pallas")) == "pallas"
