@@ -87,6 +87,7 @@ def _variants():
         "lm_head_rows8": [(PP, "LM_HEAD_KERNEL_MAX_ROWS", 8)],  # served step: the LM-head kernel up to 8 rows
         "sort_sampling": [(PP, "TOP_K_SAMPLING", False)],  # served step: sampling by the vocabulary sort (before CE)
         "dot_rows4": [(G, "TABLE_DOT_MIN_ROWS", 4)],  # run BH: slower at batch 4 (rows padded to 8)
+        "dot_rows2": [(G, "TABLE_DOT_MIN_ROWS", 2)],  # batches 2-7 on the tensor cores too (rows padded to 8)
         "dot_bk512": [(G, "DOT_BLOCK", (16, 512, 1, 3))],  # run BH: QKV 30 us per layer at batch 8 (19.5 at 256)
         "dot_bk128": [(G, "DOT_BLOCK", (16, 128, 1, 3))],
         "dot_bn16_w1": [(G, "DOT_BLOCK", (16, 256, 1, 3))],

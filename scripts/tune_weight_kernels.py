@@ -44,8 +44,11 @@ def log(msg: str) -> None:
 
 
 def gemv_grid():
-    """Blocks(bn, bk, warps, stages, dot, elementwise, prefetch) candidates; the table's choice is timed first."""
+    """Blocks(bn, bk, warps, stages, dot, elementwise, prefetch) candidates; the table's choice is timed first, then
+    the tensor-core path's blocks (gemv.DOT_BLOCK and its neighbours in runs BH-BI; below gemv.TABLE_DOT_MIN_ROWS
+    rows the rows are padded to 8), then the FMA path's."""
     out = [None]
+    out += [(bn, 256, warps, 3, True, False, False) for bn, warps in ((32, 2), (16, 1), (64, 4))]
     for bn, bk, warps, pf in itertools.product((8, 16), (1024, 2048, 4096), (4, 8), (False, True)):
         out.append((bn, bk, warps, 3, False, False, pf))
     out += [(8, 512, 4, 3, False, True, False), (16, 1024, 4, 3, True, False, False)]

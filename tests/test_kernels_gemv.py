@@ -65,10 +65,11 @@ def test_gemv_plain_and_blocks(kind):
 
 
 @pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
-def test_gemv_tensor_core_path(kind):
+@pytest.mark.parametrize("m", [3, 8])
+def test_gemv_tensor_core_path(kind, m):
     """block=(..., dot=True): rows padded to 8, tiles decoded to BF16 (NVFP4: weight_tiles.decode_packed) and
-    multiplied on the tensor cores with the weight tile as the left operand; all epilogues."""
-    n, k, m = 256, 512, 8
+    multiplied on the tensor cores with the weight tile as the left operand; all epilogues. 3 rows: the padding."""
+    n, k = 256, 512
     x, nw, res = inputs(40, m, n, k)
     w = make_weight(jax.random.PRNGKey(41), n, k, kind)
     blk = (32, 256, 4, 2, True)
