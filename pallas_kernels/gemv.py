@@ -61,6 +61,17 @@ DOT_BLOCK = (32, 256, 2, 3)
 # in one step of 4 rows with 8 warps, O projection 8.93 -> 5.98 us; QKV 8.99 -> 7.78 us. The generic rows' 512-value
 # K tiles keep too few bytes in flight per program: a BF16 GEMV has no decode to hide behind.
 BF16_TABLE: dict | None = {"long_k": (4, 4096, 8, False), "short_k": (4, 2048, 4, False)}
+# NVFP4 weights on the FMA path, by rows padded to a power of two: (bn, bk, warps) for K >= 4096 ("long_k": O
+# projection, dense down) and shorter K ("short_k": QKV, dense gate/up); a missing entry takes the generic blocks
+# (16 rows, 512-value K tiles, 4 warps). Measured on the H200 with scripts/tune_weight_kernels.py (24 distinct
+# layers): 1 row (run D): thin blocks with long K tiles, 8 warps and the whole K in one step for K >= 4096 (O
+# projection 7.5 -> 4.5 us), two 1024-value steps for K = 2048 (QKV 7.5 -> 6.2 us; 2048-value steps with 8 warps:
+# 7.1). 2 and 4 rows (run DP): QKV with two 1024-value steps of 4 warps took 15.3 us at 2 rows and the generic
+# blocks 22.9 us at 4; one 2048-value step of 8 warps 9.9 and 15.8 us. Blocks of 16-32 rows with long tiles spill
+# registers (12-49 us).
+NVFP4_FMA_TABLE: dict = {1: {"long_k": (8, 4096, 8), "short_k": (8, 1024, 4)},
+                         2: {"long_k": (8, 4096, 8), "short_k": (8, 2048, 8)},
+                         4: {"short_k": (8, 2048, 8)}}
 
 
 def pick_blocks(spec: wt.WeightSpec, m: int, n_weights: int = 1, allow_dot: bool = True) -> Blocks:
@@ -71,16 +82,13 @@ def pick_blocks(spec: wt.WeightSpec, m: int, n_weights: int = 1, allow_dot: bool
         bn, bk, warps, stages = DOT_BLOCK
         bn = max(16, wt.largest_pow2_divisor(spec.n, bn))
         return Blocks(bn, wt.k_tile(spec, bk), warps, stages, dot=True)
-    if spec.kind == "nvfp4" and m <= 2:
-        # Measured on the H200 (scripts/tune_weight_kernels.py, docs/BENCHMARKS.md): thin blocks with long K tiles;
-        # 8 warps and the whole K in one step for K >= 4096 (O projection 7.5 -> 4.5 us), two 1024-value steps for
-        # K = 2048 (QKV 7.5 -> 6.2 us). Blocks of 16-32 rows with long tiles spill registers (12-49 us).
-        bn, stages = 8, 3
-        bk, warps = (max(bk, 4096), 8) if spec.k >= 4096 else (max(bk, 1024), 4)
-        if spec.n >= LARGE_N:  # the LM head: 16 rows, 2048-value K tiles, 4 warps (103.6 -> 95.7 us, run J)
-            bn, bk = 16, max(bk, 2048)
-    elif spec.kind == "nvfp4":
-        bn, warps, stages = 16, 4, 3
+    if spec.kind == "nvfp4":
+        entry = nvfp4_fma_entry(spec, m, n_weights)
+        if entry is None:
+            bn, warps, stages = 16, 4, 3
+        else:
+            bn, entry_bk, warps = entry
+            bk, stages = max(bk, entry_bk), 3
     elif m <= 2 and n_weights == 1 and BF16_TABLE is not None:  # its 4-row blocks are at min_bn: not shrunk below
         bn, bk, warps, prefetch = BF16_TABLE["long_k" if spec.k >= 4096 else "short_k"]
         stages = 3
@@ -93,6 +101,20 @@ def pick_blocks(spec: wt.WeightSpec, m: int, n_weights: int = 1, allow_dot: bool
         bn //= 2
     bn = wt.largest_pow2_divisor(spec.n, bn)
     return Blocks(bn, wt.k_tile(spec, bk), warps, stages, prefetch=prefetch)
+
+
+def nvfp4_fma_entry(spec: wt.WeightSpec, m: int, n_weights: int) -> tuple[int, int, int] | None:
+    """NVFP4_FMA_TABLE's (bn, bk, warps) for an FMA-path call on `m` (padded) rows, or None for the generic
+    blocks. The LM head (N >= LARGE_N: 16 rows, 2048-value K tiles; 103.6 -> 95.7 us, run J) and two fused weights
+    (gemv_swiglu) keep the 1-row entry at 1-2 rows, as tuned; the 2- and 4-row entries were measured for one
+    weight (QKV) only, so other calls on more rows take the generic blocks."""
+    k_class = "long_k" if spec.k >= 4096 else "short_k"
+    if spec.n >= LARGE_N or n_weights > 1:
+        if m > 2:
+            return None
+        bn, bk, warps = NVFP4_FMA_TABLE[1][k_class]
+        return (16, max(bk, 2048), warps) if spec.n >= LARGE_N else (bn, bk, warps)
+    return NVFP4_FMA_TABLE.get(m, {}).get(k_class)
 
 
 def dot_rows(mp: int) -> int:

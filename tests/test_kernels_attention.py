@@ -349,7 +349,7 @@ def test_rope_table_matches_in_kernel_rope(monkeypatch, weights):
 
 
 @pytest.mark.parametrize("weights", ["nvfp4", "bf16"])
-@pytest.mark.parametrize("B", [1, 3, 8])
+@pytest.mark.parametrize("B", [1, 2, 3, 8])
 def test_qkv_projection(weights, B):
     """The projection kernel alone (RMSNorm prologue + Q, K, V weights in one grid) against the reference."""
     layer = params(weights).layers[0]

@@ -97,11 +97,19 @@ def test_gemv_logits_fp32(kind, m):
 
 
 def test_block_table_for_flint_shapes(monkeypatch):
-    """The measured table (docs/BENCHMARKS.md, runs D/E/J) at Flint's NVFP4 batch-1 shapes, and the LM head's rows
+    """The measured table (docs/BENCHMARKS.md, runs D/E/J/DP) at Flint's NVFP4 shapes, and the LM head's rows
     running correctly (LARGE_N and the SM count lowered so that a small weight takes them)."""
     spec = lambda n, k: wt.WeightSpec("nvfp4", 1, n, k)  # noqa: E731
     assert G.pick_blocks(spec(2048, 4096), 1)[:3] == (8, 4096, 8)  # O projection
+    assert G.pick_blocks(spec(5120, 2048), 1)[:3] == (8, 1024, 4)  # QKV
     assert G.pick_blocks(spec(151552, 2048), 1)[:3] == (16, 2048, 4)  # LM head
+    # 2 and 4 rows (run DP): QKV in one 2048-value step of 8 warps; the LM head and two fused weights keep the
+    # 1-row blocks at 2 rows and the generic ones at 4; the O projection at 4 rows is generic
+    for m in (2, 4):
+        assert G.pick_blocks(spec(5120, 2048), m)[:3] == (8, 2048, 8)
+    assert G.pick_blocks(spec(151552, 2048), 2)[:3] == (16, 2048, 4)
+    assert G.pick_blocks(spec(10240, 2048), 2, n_weights=2)[:3] == (4, 1024, 4)
+    assert G.pick_blocks(spec(2048, 4096), 4)[:3] == (8, 512, 4)  # generic 16 rows, shrunk to 2 programs per SM
     assert G.pick_blocks(spec(151552, 2048), 8) == G.Blocks(*G.DOT_BLOCK, dot=True)  # 8 rows: tensor cores
     monkeypatch.setattr(G, "LARGE_N", 256)
     monkeypatch.setattr(G, "NUM_SMS", 4)
