@@ -67,11 +67,13 @@ BF16_TABLE: dict | None = {"long_k": (4, 4096, 8, False), "short_k": (4, 2048, 4
 # layers): 1 row (run D): thin blocks with long K tiles, 8 warps and the whole K in one step for K >= 4096 (O
 # projection 7.5 -> 4.5 us), two 1024-value steps for K = 2048 (QKV 7.5 -> 6.2 us; 2048-value steps with 8 warps:
 # 7.1). 2 and 4 rows (run DP): QKV with two 1024-value steps of 4 warps took 15.3 us at 2 rows and the generic
-# blocks 22.9 us at 4; one 2048-value step of 8 warps 9.9 and 15.8 us. Blocks of 16-32 rows with long tiles spill
-# registers (12-49 us).
+# blocks 22.9 us at 4; one 2048-value step of 8 warps 9.9 and 15.8 us. In the step (run DQ, scripts/profile_decode.py,
+# 8K, device time; variant nvfp4_fma_before_DP): batch 2 2.830 -> 2.556 ms; batch 4 4.346 -> 3.994 ms with the QKV
+# entry, 3.838 with the long-K one too (O projection 12.0 -> 8.9 us; the dense down unchanged, 28.0 -> 28.6).
+# Blocks of 16-32 rows with long tiles spill registers (12-49 us).
 NVFP4_FMA_TABLE: dict = {1: {"long_k": (8, 4096, 8), "short_k": (8, 1024, 4)},
                          2: {"long_k": (8, 4096, 8), "short_k": (8, 2048, 8)},
-                         4: {"short_k": (8, 2048, 8)}}
+                         4: {"long_k": (8, 4096, 8), "short_k": (8, 2048, 8)}}
 
 
 def pick_blocks(spec: wt.WeightSpec, m: int, n_weights: int = 1, allow_dot: bool = True) -> Blocks:
@@ -107,7 +109,7 @@ def nvfp4_fma_entry(spec: wt.WeightSpec, m: int, n_weights: int) -> tuple[int, i
     """NVFP4_FMA_TABLE's (bn, bk, warps) for an FMA-path call on `m` (padded) rows, or None for the generic
     blocks. The LM head (N >= LARGE_N: 16 rows, 2048-value K tiles; 103.6 -> 95.7 us, run J) and two fused weights
     (gemv_swiglu) keep the 1-row entry at 1-2 rows, as tuned; the 2- and 4-row entries were measured for one
-    weight (QKV) only, so other calls on more rows take the generic blocks."""
+    weight (QKV, O projection) only, so those calls on more rows take the generic blocks."""
     k_class = "long_k" if spec.k >= 4096 else "short_k"
     if spec.n >= LARGE_N or n_weights > 1:
         if m > 2:

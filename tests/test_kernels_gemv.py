@@ -103,13 +103,15 @@ def test_block_table_for_flint_shapes(monkeypatch):
     assert G.pick_blocks(spec(2048, 4096), 1)[:3] == (8, 4096, 8)  # O projection
     assert G.pick_blocks(spec(5120, 2048), 1)[:3] == (8, 1024, 4)  # QKV
     assert G.pick_blocks(spec(151552, 2048), 1)[:3] == (16, 2048, 4)  # LM head
-    # 2 and 4 rows (run DP): QKV in one 2048-value step of 8 warps; the LM head and two fused weights keep the
-    # 1-row blocks at 2 rows and the generic ones at 4; the O projection at 4 rows is generic
+    # 2 and 4 rows (runs DP, DQ): QKV in one 2048-value step of 8 warps, the O projection as at 1 row; the LM
+    # head and two fused weights keep the 1-row blocks at 2 rows and the generic ones at 4
     for m in (2, 4):
         assert G.pick_blocks(spec(5120, 2048), m)[:3] == (8, 2048, 8)
+        assert G.pick_blocks(spec(2048, 4096), m)[:3] == (8, 4096, 8)
     assert G.pick_blocks(spec(151552, 2048), 2)[:3] == (16, 2048, 4)
     assert G.pick_blocks(spec(10240, 2048), 2, n_weights=2)[:3] == (4, 1024, 4)
-    assert G.pick_blocks(spec(2048, 4096), 4)[:3] == (8, 512, 4)  # generic 16 rows, shrunk to 2 programs per SM
+    assert G.pick_blocks(spec(151552, 2048), 4)[:3] == (16, 512, 4)  # generic
+    assert G.pick_blocks(spec(10240, 2048), 4, n_weights=2)[:3] == (8, 512, 4)  # generic 16 rows, halved
     assert G.pick_blocks(spec(151552, 2048), 8) == G.Blocks(*G.DOT_BLOCK, dot=True)  # 8 rows: tensor cores
     monkeypatch.setattr(G, "LARGE_N", 256)
     monkeypatch.setattr(G, "NUM_SMS", 4)
@@ -119,6 +121,20 @@ def test_block_table_for_flint_shapes(monkeypatch):
     out = G.gemv_logits(x, w, norm_weight=nw, interpret=INTERPRET)
     ref = layers.logits_from_hidden(x, nw, w, 1e-5)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=0, atol=1e-5 * float(jnp.max(jnp.abs(ref))))
+
+
+@pytest.mark.parametrize("m,k", [(2, 2048), (3, 4096), (4, 2048)])
+def test_nvfp4_table_rows_compute_the_reference(m, k):
+    """The NVFP4 FMA blocks of 2 and 4 rows (NVFP4_FMA_TABLE, runs DP-DQ: whole-K or 2048-value steps, 8 warps; 3
+    rows are padded to 4) give the reference's outputs, norm and residual fused."""
+    spec = wt.WeightSpec("nvfp4", 1, 64, k)
+    assert G.pick_blocks(spec, wt.pow2_rows(m))[:3] == G.NVFP4_FMA_TABLE[wt.pow2_rows(m)]["long_k" if k >= 4096
+                                                                                            else "short_k"]
+    x, nw, res = inputs(60 + m, m, 64, k)
+    w = make_weight(jax.random.PRNGKey(61), 64, k, "nvfp4")
+    out = jax.jit(lambda x, w, nw, res: G.gemv(x, w, norm_weight=nw, residual=res, interpret=INTERPRET))(
+        x, w, nw, res)
+    assert_residual_close(out, G.ref_gemv(x, w, norm_weight=nw, residual=res), res)
 
 
 @pytest.mark.parametrize("k", [4096, 2048])
