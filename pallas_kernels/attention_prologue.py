@@ -39,6 +39,12 @@ F32, BF16 = jnp.float32, jnp.bfloat16
 ROWS = 16  # query heads of one KV head padded to the smallest tensor-core M tile (attention kernels)
 # Block table override for the projection: None = gemv.pick_blocks on the concatenated [Hq + 2 KV] x D rows.
 QKV_BLOCK: "G.Blocks | None" = None
+# Rows (padded to a power of two) from which the projection runs on the tensor cores (gemv.dot_blocks) even where
+# gemv's table keeps the FMA path (gemv.TABLE_DOT_MIN_ROWS): below 8 rows x's rows are repeated inside the kernel to
+# the MMA's 8 columns (weight_tiles.repeat_rows), so no XLA pad or slice kernel is added. Run DP (H200,
+# tune_weight_kernels, 24 layers): at 4 rows the dot path took 12.6 us against 15.8 for the FMA table's blocks; at 2
+# rows 12.6 against 9.9. None: gemv's table decides.
+QKV_DOT_MIN_ROWS: int | None = 4
 
 
 def _params(num_warps: int = 4, num_stages: int = 3):
@@ -47,7 +53,7 @@ def _params(num_warps: int = 4, num_stages: int = 3):
 
 # ---- kernel 1: input RMSNorm + QKV projection ----------------------------------------------------------------
 
-def _qkv_kernel(x_ref, nw_ref, *refs, spec, mp, blocks, eps, row_blocks, col0, ptx):
+def _qkv_kernel(x_ref, nw_ref, *refs, spec, mp, blocks, eps, row_blocks, col0, ptx, cols):
     """Program j computes `blocks.bn` output columns of one of Q, K, V for all (padded) rows: the issue-4 weight
     stream (weight_tiles.stream_rows, or stream_rows_dot on the tensor cores) with the RMSNorm prologue, one
     `pl.when` branch per weight."""
@@ -68,7 +74,8 @@ def _qkv_kernel(x_ref, nw_ref, *refs, spec, mp, blocks, eps, row_blocks, col0, p
             n0 = pl.multiple_of((j - lo) * bn, bn)
             c0 = pl.multiple_of(col0[which] + n0, bn)
             if blocks.dot:
-                acc, = wt.stream_rows_dot(xs, [(spec, w_refs)], n0, bn, bk, inv, ptx=ptx)
+                acc, = wt.stream_rows_dot(xs, [(spec, w_refs)], n0, bn, bk, inv, ptx=ptx, cols=cols)
+                acc = wt.first_columns(acc, mp)
                 out_ref[:, pl.ds(c0, bn)] = wt.apply_global_scale(acc.T, wt.dot_scale(spec, w_refs, 0)).astype(BF16)
                 return
             scale = wt.epilogue_loads(lambda: wt.global_scale(spec, w_refs, 0))
@@ -100,11 +107,16 @@ def qkv_projection(h: jax.Array, attn_norm: jax.Array, attn, cfg: FlintConfig, i
         raise ValueError(f"qkv_projection: q/k/v weights mix kinds {[s.kind for s in specs]}")
     total = (Hq + 2 * KV) * D
     mp = wt.pow2_rows(B)
-    blocks = G.resolve_blocks(wt.WeightSpec(specs[0].kind, 1, total, H), mp, 1, QKV_BLOCK)
+    total_spec = wt.WeightSpec(specs[0].kind, 1, total, H)
+    if QKV_BLOCK is None and QKV_DOT_MIN_ROWS is not None and mp >= QKV_DOT_MIN_ROWS:
+        blocks = G.dot_blocks(total_spec)
+    else:
+        blocks = G.resolve_blocks(total_spec, mp, 1, QKV_BLOCK)
     bn = min(blocks.bn, *(wt.largest_pow2_divisor(s.n, blocks.bn) for s in specs))
     blocks = blocks._replace(bn=bn)
+    cols = mp
     if blocks.dot:
-        mp = G.dot_rows(mp)
+        cols = G.dot_rows(mp)  # x's mp rows are repeated to the MMA's columns in the kernel
         weight_ops = [wt.dot_operands(s, ops) for s, ops in zip(specs, weight_ops)]
     args = [a for ops in weight_ops for a in ops]
     x_kind = wt.x_kind(specs[0].kind, blocks.dot)
@@ -120,7 +132,7 @@ def qkv_projection(h: jax.Array, attn_norm: jax.Array, attn, cfg: FlintConfig, i
     if x_kind == "nvfp4":
         nw = nw.reshape(H // wt.GROUP, wt.GROUP)
     kernel = functools.partial(_qkv_kernel, spec=specs[0], mp=mp, blocks=blocks, eps=float(cfg.rms_norm_eps),
-                               row_blocks=tuple(row_blocks), col0=tuple(col0), ptx=not interpret)
+                               row_blocks=tuple(row_blocks), col0=tuple(col0), ptx=not interpret, cols=cols)
     operands, in_specs = layer_stack.kernel_args([wt.x_operand(x, x_kind), nw, *args])
     out = pl.pallas_call(
         kernel, grid=(total // bn,), out_shape=jax.ShapeDtypeStruct((mp, total), BF16), in_specs=in_specs,

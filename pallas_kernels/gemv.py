@@ -81,9 +81,7 @@ def pick_blocks(spec: wt.WeightSpec, m: int, n_weights: int = 1, allow_dot: bool
     allow_dot=False: FMA-path blocks only (kernels without a tensor-core path)."""
     bk, prefetch = TABLE_BK, TABLE_PREFETCH
     if allow_dot and TABLE_DOT_MIN_ROWS is not None and m >= TABLE_DOT_MIN_ROWS and n_weights == 1:
-        bn, bk, warps, stages = DOT_BLOCK
-        bn = max(16, wt.largest_pow2_divisor(spec.n, bn))
-        return Blocks(bn, wt.k_tile(spec, bk), warps, stages, dot=True)
+        return dot_blocks(spec)
     if spec.kind == "nvfp4":
         entry = nvfp4_fma_entry(spec, m, n_weights)
         if entry is None:
@@ -103,6 +101,13 @@ def pick_blocks(spec: wt.WeightSpec, m: int, n_weights: int = 1, allow_dot: bool
         bn //= 2
     bn = wt.largest_pow2_divisor(spec.n, bn)
     return Blocks(bn, wt.k_tile(spec, bk), warps, stages, prefetch=prefetch)
+
+
+def dot_blocks(spec: wt.WeightSpec) -> Blocks:
+    """The tensor-core path's blocks (DOT_BLOCK) fitted to the weight."""
+    bn, bk, warps, stages = DOT_BLOCK
+    bn = max(16, wt.largest_pow2_divisor(spec.n, bn))
+    return Blocks(bn, wt.k_tile(spec, bk), warps, stages, dot=True)
 
 
 def nvfp4_fma_entry(spec: wt.WeightSpec, m: int, n_weights: int) -> tuple[int, int, int] | None:

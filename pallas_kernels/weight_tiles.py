@@ -433,19 +433,43 @@ def decode_packed(codes: jax.Array, s_lo: jax.Array, s_hi: jax.Array, *, ptx: bo
             (hi * (s_hi.astype(F32) * 2.0 ** -112)).astype(BF16))
 
 
+def repeat_rows(x: jax.Array, cols: int) -> jax.Array:
+    """x [R, K] -> [cols, K]: x's rows repeated cols / R times (a dot's right operand filled to the MMA's smallest
+    N from R < 8 rows without an XLA pad: the repeats' columns are computed and dropped, `first_columns`)."""
+    r = x.shape[0]
+    if cols == r:
+        return x
+    return jnp.broadcast_to(x[None], (cols // r, *x.shape)).reshape(cols, *x.shape[1:])
+
+
+def first_columns(acc: jax.Array, r: int) -> jax.Array:
+    """acc [bn, cols] of repeat_rows' operand -> [bn, r]: the first copy's columns (the copies are the same bits)."""
+    bn, cols = acc.shape
+    if cols == r:
+        return acc
+    copies = acc.reshape(bn, cols // r, r)
+    first = jax.lax.broadcasted_iota(jnp.int32, copies.shape, 1) == 0
+    return jnp.sum(jnp.where(first, copies, 0.0), axis=1)
+
+
 def stream_rows_dot(xs: XSource, weights: Sequence[tuple[WeightSpec, Sequence]], n0, bn: int, bk: int,
-                    inv: jax.Array | None = None, ptx: bool = False) -> list[jax.Array]:
+                    inv: jax.Array | None = None, ptx: bool = False, cols: int | None = None) -> list[jax.Array]:
     """Tensor-core variant of stream_rows for a block of rows: `W_w[0, n0:n0+bn, :] @ x[R, :].T` as f32 [bn, R]
     per weight (the weight tile is the dot's left operand, which the tensor cores read from registers), R = the rows
     of xs.ref (padded to at least 8 by the caller: gemv.dot_rows). xs reads x as [R, K] (kind "bf16", whatever the
     weight's kind). NVFP4 codes come as [E, N, K/2] (`dot_operands`); each K step of bk values (bk/2 code bytes)
     is decoded to BF16 by the packed decode above (exact: E2M1 x E4M3 x 2^-8, at most 6 significant bits;
     inline PTX when `ptx`), and the caller multiplies the accumulator by global_scale * 2^PACKED_EXP
-    (`dot_scale`). So the FMA pipe only decodes. Needs bn >= 16 and bk >= 32."""
+    (`dot_scale`). So the FMA pipe only decodes. Needs bn >= 16 and bk >= 32. cols (a multiple of the rows, at
+    least 8): the MMA's N, x's rows repeated to fill it (`repeat_rows`); the result is then [bn, cols], its first
+    rows columns the rows' (`first_columns`)."""
     spec0 = weights[0][0]
     k = spec0.k
     rows = xs.ref.shape[0]
-    init = tuple(jnp.zeros((bn, rows), F32) for _ in weights)
+    cols = cols or rows
+    if cols % rows:
+        raise ValueError(f"stream_rows_dot: {cols} columns are not whole copies of {rows} rows")
+    init = tuple(jnp.zeros((bn, cols), F32) for _ in weights)
     if spec0.kind == "nvfp4":
         bh = bk // 2  # code bytes (values per half) per step
         steps = k // bk
@@ -453,8 +477,8 @@ def stream_rows_dot(xs: XSource, weights: Sequence[tuple[WeightSpec, Sequence]],
         def body(t, accs):
             c0 = k_start(t, bh)
             g0 = t * (bh // GROUP)
-            xl = xs.tile(slice(None), t, bh, 0, inv).astype(BF16)
-            xh = xs.tile(slice(None), t + steps, bh, 0, inv).astype(BF16)  # values K/2 + c0 ...
+            xl = repeat_rows(xs.tile(slice(None), t, bh, 0, inv).astype(BF16), cols)
+            xh = repeat_rows(xs.tile(slice(None), t + steps, bh, 0, inv).astype(BF16), cols)  # values K/2 + c0 ...
             out = []
             for (_, (codes, scales, _)), acc in zip(weights, accs):
                 cb = codes[0, pl.ds(n0, bn), pl.ds(c0, bh)]
@@ -467,7 +491,7 @@ def stream_rows_dot(xs: XSource, weights: Sequence[tuple[WeightSpec, Sequence]],
         steps = k // bk
 
         def body(t, accs):
-            xt = xs.tile(slice(None), t, bk, 0, inv).astype(BF16)
+            xt = repeat_rows(xs.tile(slice(None), t, bk, 0, inv).astype(BF16), cols)
             k0 = k_start(t, bk)
             return tuple(acc + _dot_nt(w[0, pl.ds(n0, bn), pl.ds(k0, bk)], xt)
                          for (_, (w,)), acc in zip(weights, accs))

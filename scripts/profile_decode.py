@@ -41,6 +41,7 @@ from flint_jax.params import init_params  # noqa: E402
 
 
 def _variants():
+    from flint_jax.pallas_kernels import attention_prologue as AP
     from flint_jax.pallas_kernels import decode_attention as DA
     from flint_jax.pallas_kernels import gemv as G
     from flint_jax.pallas_kernels import grid_sync as GS
@@ -93,6 +94,11 @@ def _variants():
         # 4 rows: the O projection and the dense down with the generic blocks (run DQ: 3.994 against 3.838 ms)
         "nvfp4_rows4_generic_long_k": [(G, "NVFP4_FMA_TABLE", {**G.NVFP4_FMA_TABLE, 4: {
             "short_k": G.NVFP4_FMA_TABLE[4]["short_k"]}})],
+        # 3-4 rows: the QKV projection on the FMA path (before run DR; the default since: tensor cores, x's rows
+        # repeated to 8 columns in the kernel)
+        "qkv_fma_rows4": [(AP, "QKV_DOT_MIN_ROWS", None)],
+        # 2-8 rows: the shared expert's gate/up streamed once per token (before run DR) instead of once for all
+        "shared_per_token": [(ME, "SHARED_ONCE", False)],
         "dot_bk512": [(G, "DOT_BLOCK", (16, 512, 1, 3))],  # run BH: QKV 30 us per layer at batch 8 (19.5 at 256)
         "dot_bk128": [(G, "DOT_BLOCK", (16, 128, 1, 3))],
         "dot_bn16_w1": [(G, "DOT_BLOCK", (16, 256, 1, 3))],

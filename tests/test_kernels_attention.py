@@ -349,7 +349,7 @@ def test_rope_table_matches_in_kernel_rope(monkeypatch, weights):
 
 
 @pytest.mark.parametrize("weights", ["nvfp4", "bf16"])
-@pytest.mark.parametrize("B", [1, 2, 3, 8])
+@pytest.mark.parametrize("B", [1, 2, 3, 4, 8])
 def test_qkv_projection(weights, B):
     """The projection kernel alone (RMSNorm prologue + Q, K, V weights in one grid) against the reference."""
     layer = params(weights).layers[0]
@@ -358,6 +358,22 @@ def test_qkv_projection(weights, B):
     want = AP.ref_qkv_projection(h, layer.attn_norm, layer.attn, CFG)
     assert got.shape == (B, CFG.num_attention_heads + 2 * CFG.num_key_value_heads, CFG.head_dim)
     assert_ulp_close(got, want)
+
+
+@pytest.mark.parametrize("weights", ["nvfp4", "bf16"])
+def test_qkv_projection_four_rows_on_the_tensor_cores(weights, monkeypatch):
+    """At 4 rows (QKV_DOT_MIN_ROWS) the projection runs on the tensor cores with x's rows repeated to the MMA's 8
+    columns in the kernel: its rows are the bits of the same rows in an 8-row batch (the 8-row dot path), and
+    within an ulp of the 4-row FMA path."""
+    layer = params(weights).layers[0]
+    h8 = (3 * jax.random.normal(jax.random.key(47), (8, CFG.hidden_size))).astype(jnp.bfloat16)
+    run = jax.jit(lambda h: AP.qkv_projection(h, layer.attn_norm, layer.attn, CFG, interpret=INTERPRET))
+    four = np.asarray(run(h8[:4]).astype(jnp.float32))
+    eight = np.asarray(run(h8).astype(jnp.float32))
+    np.testing.assert_array_equal(four, eight[:4])
+    monkeypatch.setattr(AP, "QKV_DOT_MIN_ROWS", None)
+    fma = jax.jit(lambda h: AP.qkv_projection(h, layer.attn_norm, layer.attn, CFG, interpret=INTERPRET))(h8[:4])
+    assert_ulp_close(jnp.asarray(four).astype(jnp.bfloat16), fma)
 
 
 def test_qkv_projection_load_order_knobs_keep_the_output_bits(monkeypatch):
