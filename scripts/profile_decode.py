@@ -99,6 +99,7 @@ def _variants():
         "qkv_fma_rows4": [(AP, "QKV_DOT_MIN_ROWS", None)],
         # 2-8 rows: the shared expert's gate/up streamed once per token (before run DR) instead of once for all
         "shared_per_token": [(ME, "SHARED_ONCE", False)],
+        "moe_act_f32": [(ME, "ACT_F32", True)],  # the expert kernels' activations stored as FP32 (BF16 values)
         "dot_bk512": [(G, "DOT_BLOCK", (16, 512, 1, 3))],  # run BH: QKV 30 us per layer at batch 8 (19.5 at 256)
         "dot_bk128": [(G, "DOT_BLOCK", (16, 128, 1, 3))],
         "dot_bn16_w1": [(G, "DOT_BLOCK", (16, 256, 1, 3))],
