@@ -8,8 +8,8 @@
         2. expert_gate_up           per (token, slot) pair and block of I rows: the slot's expert id (read, or
                                     recomputed from the logits), the expert's gate and up rows streamed once,
                                     SwiGLU fused;
-                                    rows M*k .. M*k+M-1 are the shared expert's, streamed once for
-                                    all M tokens by one row of programs (SHARED_ONCE)            act [M*(k+1), I]
+                                    rows M*k .. M*k+M-1 are the shared expert's, one token per
+                                    program (SHARED_ONCE: one row of programs for all M tokens)  act [M*(k+1), I]
                                     and (ROUTING_TO_DOWN, on by default) each token's top-k ids and weights,
                                     written by one program per token                       ids, weights [M, KP]
         3. expert_down              per (token, block of H rows): the k routed experts' down rows and the shared
@@ -67,7 +67,10 @@ ROUTING_TO_DOWN = True
 # At M >= 2 tokens the gate/up kernel streams the shared expert once for all M tokens (one row of programs whose
 # decoded tiles serve every token, first in the grid since its programs are the longest) instead of once per token
 # (M rows of one-token programs). The output bits are unchanged: each token's sums are the same FP32 operations.
-SHARED_ONCE = True
+# Off: measured in the step on the H200 (run DR, 8K, docs/BENCHMARKS.md) the M-row programs are so much longer
+# than the others that gate/up got slower: 23.4 -> 35.7 us per layer at batch 4 (step 3.642 -> 4.221 ms),
+# 2,003 -> 3,369 us per step at batch 8 (6.011 -> 7.311 ms).
+SHARED_ONCE = False
 # The expert kernels' activations (the router's b for gate/up, gate/up's SwiGLU rows for down) stored as FP32 holding
 # their BF16 values: the same numbers, but the FMA path then loads them without a conversion per weight value.
 ACT_F32 = False
