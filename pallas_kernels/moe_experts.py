@@ -71,9 +71,6 @@ ROUTING_TO_DOWN = True
 # than the others that gate/up got slower: 23.4 -> 35.7 us per layer at batch 4 (step 3.642 -> 4.221 ms),
 # 2,003 -> 3,369 us per step at batch 8 (6.011 -> 7.311 ms).
 SHARED_ONCE = False
-# The expert kernels' activations (the router's b for gate/up, gate/up's SwiGLU rows for down) stored as FP32 holding
-# their BF16 values: the same numbers, but the FMA path then loads them without a conversion per weight value.
-ACT_F32 = False
 
 
 def _pick(e_or_n: int, k: int, kind: str, block) -> tuple[int, int, int, int, bool, bool]:
@@ -197,7 +194,7 @@ def _gate_up_kernel(route_a, route_b, x_ref, *refs, m, k, g_spec, s_spec, bn, bk
     sgate, sup = refs[2 * ng:2 * ng + ns], refs[2 * ng + ns:2 * ng + 2 * ns]
 
     def store(p, n0, values):
-        o_ref[p, pl.ds(n0, bn)] = values.astype(o_ref.dtype)
+        o_ref[p, pl.ds(n0, bn)] = values
 
     token = routing_from_refs(route_a, route_b, k, norm, scaling, lazy_weights=emit_routing)
     gate_up_tile(pl.program_id(0), pl.program_id(1), token,
@@ -218,11 +215,6 @@ def shared_expert_operands(moe):
     if (s_spec.kind, s_spec.n, sd_spec.kind, sd_spec.k) != (g_spec.kind, g_spec.n, d_spec.kind, d_spec.k):
         raise NotImplementedError("the shared expert must have the routed experts' kind and intermediate size")
     return s_spec, [*sg_ops, *su_ops], sd_spec, list(sd_ops)
-
-
-def _activations(x: jax.Array) -> jax.Array:
-    """An expert kernel's activations as the kernel reads them: BF16, or FP32 as given (ACT_F32: BF16 values)."""
-    return x if x.dtype == F32 else x.astype(BF16)
 
 
 def _route_operands(logits, moe, routing):
@@ -247,7 +239,7 @@ def expert_gate_up(b: jax.Array, logits: jax.Array, moe, cfg: FlintConfig, *, in
     g_spec, g_ops = wt.weight_operands(moe.gate, stacked=True)
     _, u_ops = wt.weight_operands(moe.up, stacked=True)
     s_spec, shared_ops, _, _ = shared_expert_operands(moe)
-    operands = [*_route_operands(logits, moe, routing), wt.x_operand(_activations(b), g_spec.kind), *g_ops, *u_ops,
+    operands = [*_route_operands(logits, moe, routing), wt.x_operand(b.astype(BF16), g_spec.kind), *g_ops, *u_ops,
                 *shared_ops]
     table = GATE_UP_BLOCK if g_spec.kind == "nvfp4" else BF16_GATE_UP_BLOCK
     bn, bk, warps, stages, ew, pf = _pick(g_spec.n, hidden, g_spec.kind, block or table)
@@ -255,7 +247,7 @@ def expert_gate_up(b: jax.Array, logits: jax.Array, moe, cfg: FlintConfig, *, in
     kernel = functools.partial(_gate_up_kernel, m=m, k=k, g_spec=g_spec, s_spec=s_spec, bn=bn, bk=bk,
                                norm=bool(cfg.norm_topk_prob), scaling=float(cfg.routed_scaling_factor),
                                elementwise=ew, prefetch=pf, emit_routing=emit_routing, shared_once=shared_once)
-    out_shape = [jax.ShapeDtypeStruct((m * (k + int(s_spec is not None)), g_spec.n), F32 if ACT_F32 else BF16)]
+    out_shape = [jax.ShapeDtypeStruct((m * (k + int(s_spec is not None)), g_spec.n), BF16)]
     if emit_routing:
         kp = wt.pow2_rows(k)
         out_shape += [jax.ShapeDtypeStruct((m, kp), jnp.int32), jax.ShapeDtypeStruct((m, kp), F32)]
@@ -323,7 +315,7 @@ def expert_down(act: jax.Array, logits: jax.Array, moe, cfg: FlintConfig, residu
     k = cfg.num_experts_per_tok
     d_spec, d_ops = wt.weight_operands(moe.down, stacked=True)
     _, _, s_spec, shared_ops = shared_expert_operands(moe)
-    operands = [*_route_operands(logits, moe, routing), wt.x_operand(_activations(act), d_spec.kind), *d_ops,
+    operands = [*_route_operands(logits, moe, routing), wt.x_operand(act.astype(BF16), d_spec.kind), *d_ops,
                 *shared_ops]
     table = DOWN_BLOCK if d_spec.kind == "nvfp4" else BF16_DOWN_BLOCK
     bn, bk, warps, stages, _, _ = _pick(hidden, d_spec.k, d_spec.kind, block or table)
@@ -363,7 +355,7 @@ def moe_block(h: jax.Array, layer, cfg: FlintConfig, *, interpret: bool = False,
         routing = (ids, ws)
     else:
         logits, b = router_mod.router_logits(flat, moe.router, norm_weight=layer.mlp_norm, eps=cfg.rms_norm_eps,
-                                             interpret=interpret, block=block, b_dtype=F32 if ACT_F32 else BF16)
+                                             interpret=interpret, block=block)
         routing = None
     if routing is None and ROUTING_TO_DOWN:
         act, ids, ws = expert_gate_up(b, logits, moe, cfg, interpret=interpret, block=blocks.get("gate_up"),

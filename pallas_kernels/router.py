@@ -133,7 +133,7 @@ def _logits_kernel(h_ref, nw_ref, r_ref, *refs, mp, be, bk, eps, has_norm, selec
         logits_ref, b_ref = refs
 
     def store_b(r, k0, values):
-        b_ref[r, pl.ds(k0, values.shape[0])] = values.astype(b_ref.dtype)
+        b_ref[r, pl.ds(k0, values.shape[0])] = values
 
     logits_tile(pl.program_id(0), h_ref, nw_ref, r_ref, logits_ref, store_b, mp=mp, be=be, bk=bk, eps=eps,
                 has_norm=has_norm)
@@ -154,10 +154,9 @@ def _logits_kernel(h_ref, nw_ref, r_ref, *refs, mp, be, bk, eps, has_norm, selec
 
 
 def router_logits(h: jax.Array, router: jax.Array, *, norm_weight: jax.Array | None = None, eps: float = 1e-5,
-                  interpret: bool = False, block=None, select=None, b_dtype=BF16):
+                  interpret: bool = False, block=None, select=None):
     """FP32 router logits of b = rmsnorm(h, norm_weight) (or b = h): h [M, H] bf16, router [E, H] f32 ->
-    (logits [M, E] f32, b [M, H] bf16). `block` = (be, bk, num_warps, num_stages). b_dtype F32: b's BF16 values
-    stored as FP32 (the same numbers; a consumer then loads them without converting each value).
+    (logits [M, E] f32, b [M, H] bf16). `block` = (be, bk, num_warps, num_stages).
     select = (bias [E], cfg): also the top-k routing, computed by the last program (module docstring) ->
     (logits, b, ids [M, KP] int32, weights [M, KP] f32), KP = k rounded up to a power of two, slots >= k zero."""
     m, hidden = h.shape
@@ -171,7 +170,7 @@ def router_logits(h: jax.Array, router: jax.Array, *, norm_weight: jax.Array | N
     hp = wt.pad_rows(h.astype(BF16), mp)
     nw = norm_weight.astype(BF16) if norm_weight is not None else jnp.ones((hidden,), BF16)
     args = [hp, nw, wt.lead_axis(router).astype(F32)]
-    out_shape = [jax.ShapeDtypeStruct((mp, e), F32), jax.ShapeDtypeStruct((mp, hidden), b_dtype)]
+    out_shape = [jax.ShapeDtypeStruct((mp, e), F32), jax.ShapeDtypeStruct((mp, hidden), BF16)]
     aliases, sel = {}, None
     if select is not None:
         bias, cfg = select

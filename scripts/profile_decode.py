@@ -100,7 +100,6 @@ def _variants():
         # 2-8 rows: the shared expert's gate/up streamed once for all tokens by one row of programs (run DR: slower,
         # gate/up 23.4 -> 35.7 us at batch 4; off)
         "shared_once": [(ME, "SHARED_ONCE", True)],
-        "moe_act_f32": [(ME, "ACT_F32", True)],  # the expert kernels' activations stored as FP32 (BF16 values)
         "dot_bk512": [(G, "DOT_BLOCK", (16, 512, 1, 3))],  # run BH: QKV 30 us per layer at batch 8 (19.5 at 256)
         "dot_bk128": [(G, "DOT_BLOCK", (16, 128, 1, 3))],
         "dot_bn16_w1": [(G, "DOT_BLOCK", (16, 256, 1, 3))],

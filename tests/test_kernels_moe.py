@@ -190,24 +190,6 @@ def test_shared_expert_once_for_all_tokens_keeps_the_bits(kind, m, monkeypatch):
     assert X.gate_up_pairs(m, k, True, True) == m * k + 1 and X.gate_up_pairs(m, k, True, False) == m * (k + 1)
 
 
-@pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
-@pytest.mark.parametrize("m", [1, 3])
-def test_fp32_activations_keep_the_output_bits(kind, m, monkeypatch):
-    """ACT_F32: the router's b and gate/up's rows stored as FP32 (their BF16 values): the block's output bits are
-    unchanged, and the stored activations are BF16 numbers."""
-    layer = layer_of(kind)
-    h = hidden(700 + m, m)
-    outs = []
-    for flag in (True, False):
-        monkeypatch.setattr(X, "ACT_F32", flag)
-        outs.append(np.asarray(run_block(kernel_block, h, layer, CFG)))
-    np.testing.assert_array_equal(outs[0], outs[1])
-    _, b = jax.jit(lambda h: R.router_logits(h, layer.mlp.router, norm_weight=layer.mlp_norm, interpret=INTERPRET,
-                                             b_dtype=F32))(h)
-    assert b.dtype == F32
-    np.testing.assert_array_equal(np.asarray(b), np.asarray(b.astype(BF16).astype(F32)))
-
-
 @pytest.mark.parametrize("m", [1, 3])
 def test_moe_block_load_order_knobs_keep_the_output_bits(m, monkeypatch):
     """The router's norm after its first weight loads, the expert kernels' global scales and residual before their
