@@ -69,7 +69,7 @@ ROUTING_TO_DOWN = True
 # (M rows of one-token programs). The output bits are unchanged: each token's sums are the same FP32 operations.
 # Off: measured in the step on the H200 (run DR, 8K, docs/BENCHMARKS.md) the M-row programs are so much longer
 # than the others that gate/up got slower: 23.4 -> 35.7 us per layer at batch 4 (step 3.642 -> 4.221 ms),
-# 2,003 -> 3,369 us per step at batch 8 (6.011 -> 7.311 ms).
+# 42.6 -> 71.7 us per layer at batch 8 (step 5.706 -> 7.103 ms).
 SHARED_ONCE = False
 
 
