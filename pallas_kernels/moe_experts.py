@@ -8,8 +8,7 @@
         2. expert_gate_up           per (token, slot) pair and block of I rows: the slot's expert id (read, or
                                     recomputed from the logits), the expert's gate and up rows streamed once,
                                     SwiGLU fused;
-                                    rows M*k .. M*k+M-1 are the shared expert's, one token per
-                                    program (SHARED_ONCE: one row of programs for all M tokens)  act [M*(k+1), I]
+                                    pairs M*k .. M*k+M-1 run the shared expert                  act [M*(k+1), I]
                                     and (ROUTING_TO_DOWN, on by default) each token's top-k ids and weights,
                                     written by one program per token                       ids, weights [M, KP]
         3. expert_down              per (token, block of H rows): the k routed experts' down rows and the shared
@@ -64,13 +63,6 @@ PERSISTENT = False
 # reads them, instead of every down program recomputing the top-k from the logits: down's chain loses 6 rounds of
 # reductions before its first weight load. The output bits are unchanged (the same rounds, in the same order).
 ROUTING_TO_DOWN = True
-# At M >= 2 tokens the gate/up kernel streams the shared expert once for all M tokens (one row of programs whose
-# decoded tiles serve every token, first in the grid since its programs are the longest) instead of once per token
-# (M rows of one-token programs). The output bits are unchanged: each token's sums are the same FP32 operations.
-# Off: measured in the step on the H200 (run DR, 8K, docs/BENCHMARKS.md) the M-row programs are so much longer
-# than the others that gate/up got slower: 23.4 -> 35.7 us per layer at batch 4 (step 3.642 -> 4.221 ms),
-# 42.6 -> 71.7 us per layer at batch 8 (step 5.706 -> 7.103 ms).
-SHARED_ONCE = False
 
 
 def _pick(e_or_n: int, k: int, kind: str, block) -> tuple[int, int, int, int, bool, bool]:
@@ -121,59 +113,41 @@ def _slot_expert(ids, slot):
     return e
 
 
-def gate_up_pairs(m: int, k: int, shared: bool, shared_once: bool) -> int:
-    """Rows of gate_up_tile's grid: the M*k routed pairs, plus M shared-expert rows (or one with shared_once)."""
-    return m * k + (0 if not shared else 1 if shared_once else m)
-
-
 def gate_up_tile(p, blk, token, xs, g_spec, gate, up, s_spec, sgate, sup, store, *, m, k, bn, bk, elementwise,
-                 prefetch, store_routing=None, shared_once: bool = False):
-    """Rows [blk*bn, (blk+1)*bn) of SwiGLU activations for grid row p: row t*k + s is token t's slot-s expert (from
-    token(t)), row M*k + t token t's shared expert (s_spec None: no shared expert); with shared_once, grid row 0
-    streams the shared expert once for all M tokens and rows 1.. are the routed pairs. store(row, n0, values
-    bf16 [bn]) with row = t*k + s or M*k + t. store_routing(t, ids, weights): called by the program of token t's
-    slot 0 and block 0 (see ROUTING_TO_DOWN); then token(t) gives the weights as a function (routing_from_refs'
-    lazy_weights), called there only."""
+                 prefetch, store_routing=None):
+    """Rows [blk*bn, (blk+1)*bn) of pair p's SwiGLU activations: pair t*k + s is token t's slot-s expert (from
+    token(t)), pair M*k + t token t's shared expert (s_spec None: no shared expert). store(p, n0, values bf16 [bn]).
+    store_routing(t, ids, weights): called by the program of token t's slot 0 and block 0 (see ROUTING_TO_DOWN);
+    then token(t) gives the weights as a function (routing_from_refs' lazy_weights), called there only."""
     n0 = pl.multiple_of(blk * bn, bn)
 
-    def run(spec, g_refs, u_refs, tokens, out_rows, e):
-        """Gate and up of expert e for the given tokens (one decoded tile serves them all), stored at out_rows."""
+    def run(spec, g_refs, u_refs, t, e):
         scales = wt.epilogue_loads(lambda: (wt.global_scale(spec, g_refs, e), wt.global_scale(spec, u_refs, e)))
-        n = len(tokens)
-        accs = wt.stream_rows([xs] * n, list(tokens), [(spec, g_refs), (spec, u_refs)], [e, e], n0, bn, bk,
-                              elementwise=elementwise, prefetch=prefetch)
+        acc_g, acc_u = wt.stream_rows([xs], [t], [(spec, g_refs), (spec, u_refs)], [e, e], n0, bn, bk,
+                                      elementwise=elementwise, prefetch=prefetch)
         gs_g, gs_u = scales()
-        for i, row in enumerate(out_rows):
-            g = wt.apply_global_scale(accs[i], gs_g).astype(BF16)
-            u = wt.apply_global_scale(accs[n + i], gs_u).astype(BF16)
-            store(row, n0, gemv_mod.swiglu_f32(g, u))
+        g = wt.apply_global_scale(acc_g, gs_g).astype(BF16)
+        u = wt.apply_global_scale(acc_u, gs_u).astype(BF16)
+        store(p, n0, gemv_mod.swiglu_f32(g, u))
 
-    shared_once = shared_once and s_spec is not None
-    pair = p - 1 if shared_once else p  # the routed pair (or, without shared_once, shared row) of grid row p
-
-    @pl.when((pair >= 0) & (pair < m * k))
+    @pl.when(p < m * k)
     def _routed():
-        p = pair
         t = p // k
         ids, ws = token(t)
         if store_routing is not None:  # before the weights: the top-k's masks die here, not after the K loop
             @pl.when((blk == 0) & (p == t * k))
             def _():
                 store_routing(t, ids, ws())
-        run(g_spec, gate, up, [t], [p], _slot_expert(ids, p - t * k))
+        run(g_spec, gate, up, t, _slot_expert(ids, p - t * k))
 
-    if shared_once:
-        @pl.when(p == 0)
-        def _shared_all():
-            run(s_spec, sgate, sup, list(range(m)), [m * k + t for t in range(m)], 0)
-    elif s_spec is not None:
+    if s_spec is not None:
         @pl.when(p >= m * k)
         def _shared():
-            run(s_spec, sgate, sup, [p - m * k], [p], 0)
+            run(s_spec, sgate, sup, p - m * k, 0)
 
 
 def _gate_up_kernel(route_a, route_b, x_ref, *refs, m, k, g_spec, s_spec, bn, bk, norm, scaling, elementwise,
-                    prefetch, emit_routing, shared_once):
+                    prefetch, emit_routing):
     refs = list(refs)
     store_routing = None
     if emit_routing:
@@ -199,7 +173,7 @@ def _gate_up_kernel(route_a, route_b, x_ref, *refs, m, k, g_spec, s_spec, bn, bk
     token = routing_from_refs(route_a, route_b, k, norm, scaling, lazy_weights=emit_routing)
     gate_up_tile(pl.program_id(0), pl.program_id(1), token,
                  wt.XSource(x_ref, g_spec.kind), g_spec, gate, up, s_spec, sgate, sup, store, m=m, k=k, bn=bn, bk=bk,
-                 elementwise=elementwise, prefetch=prefetch, store_routing=store_routing, shared_once=shared_once)
+                 elementwise=elementwise, prefetch=prefetch, store_routing=store_routing)
 
 
 def shared_expert_operands(moe):
@@ -243,11 +217,11 @@ def expert_gate_up(b: jax.Array, logits: jax.Array, moe, cfg: FlintConfig, *, in
                 *shared_ops]
     table = GATE_UP_BLOCK if g_spec.kind == "nvfp4" else BF16_GATE_UP_BLOCK
     bn, bk, warps, stages, ew, pf = _pick(g_spec.n, hidden, g_spec.kind, block or table)
-    shared_once = SHARED_ONCE and m > 1 and s_spec is not None
+    pairs = m * (k + int(s_spec is not None))
     kernel = functools.partial(_gate_up_kernel, m=m, k=k, g_spec=g_spec, s_spec=s_spec, bn=bn, bk=bk,
                                norm=bool(cfg.norm_topk_prob), scaling=float(cfg.routed_scaling_factor),
-                               elementwise=ew, prefetch=pf, emit_routing=emit_routing, shared_once=shared_once)
-    out_shape = [jax.ShapeDtypeStruct((m * (k + int(s_spec is not None)), g_spec.n), BF16)]
+                               elementwise=ew, prefetch=pf, emit_routing=emit_routing)
+    out_shape = [jax.ShapeDtypeStruct((pairs, g_spec.n), BF16)]
     if emit_routing:
         kp = wt.pow2_rows(k)
         out_shape += [jax.ShapeDtypeStruct((m, kp), jnp.int32), jax.ShapeDtypeStruct((m, kp), F32)]
@@ -255,7 +229,7 @@ def expert_gate_up(b: jax.Array, logits: jax.Array, moe, cfg: FlintConfig, *, in
     outs = pl.pallas_call(
         kernel,
         out_shape=out_shape,
-        grid=(gate_up_pairs(m, k, s_spec is not None, shared_once), g_spec.n // bn),
+        grid=(pairs, g_spec.n // bn),
         in_specs=in_specs,
         out_specs=[pl.no_block_spec] * len(out_shape),
         compiler_params=plt.CompilerParams(num_warps=warps, num_stages=stages),

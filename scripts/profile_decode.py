@@ -97,9 +97,6 @@ def _variants():
         # 3-4 rows: the QKV projection on the FMA path (before run DR; the default since: tensor cores, x's rows
         # repeated to 8 columns in the kernel; run DR at batch 4: QKV 15.8 -> 11.9 us)
         "qkv_fma_rows4": [(AP, "QKV_DOT_MIN_ROWS", None)],
-        # 2-8 rows: the shared expert's gate/up streamed once for all tokens by one row of programs (run DR: slower,
-        # gate/up 23.4 -> 35.7 us at batch 4; off)
-        "shared_once": [(ME, "SHARED_ONCE", True)],
         "dot_bk512": [(G, "DOT_BLOCK", (16, 512, 1, 3))],  # run BH: QKV 30 us per layer at batch 8 (19.5 at 256)
         "dot_bk128": [(G, "DOT_BLOCK", (16, 128, 1, 3))],
         "dot_bn16_w1": [(G, "DOT_BLOCK", (16, 256, 1, 3))],

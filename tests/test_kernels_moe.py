@@ -164,32 +164,6 @@ def test_moe_block_routing_paths_agree(m, monkeypatch):
     np.testing.assert_array_equal(outs[0], outs[1])
 
 
-@pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
-@pytest.mark.parametrize("m", [2, 5])
-def test_shared_expert_once_for_all_tokens_keeps_the_bits(kind, m, monkeypatch):
-    """SHARED_ONCE: the gate/up kernel streams the shared expert in one row of programs for all M tokens (grid
-    M*k + 1 rows instead of M*k + M); the activations and the block's output are the same bits as per token."""
-    layer = layer_of(kind)
-    moe = layer.mlp
-    h = hidden(600 + m, m)
-    b = layers.rmsnorm(h, layer.mlp_norm, CFG.rms_norm_eps)
-    logits = jnp.einsum("mh,eh->me", b.astype(F32), moe.router.astype(F32))
-    acts, outs = [], []
-    for flag in (True, False):
-        monkeypatch.setattr(X, "SHARED_ONCE", flag)
-        acts.append(np.asarray(jax.jit(lambda b, lg: X.expert_gate_up(b, lg, moe, CFG, interpret=INTERPRET))(
-            b, logits)))
-        outs.append(np.asarray(run_block(kernel_block, h, layer, CFG)))
-    k = CFG.num_experts_per_tok
-    assert acts[0].shape == (m * (k + 1), CFG.moe_intermediate_size)
-    np.testing.assert_array_equal(acts[0], acts[1])
-    np.testing.assert_array_equal(outs[0], outs[1])
-    # the shared rows are the shared expert's SwiGLU of each token (not, e.g., token 0's repeated)
-    ref_shared = layers.swiglu(layers.linear(b, moe.shared_gate), layers.linear(b, moe.shared_up))
-    assert_bf16_close(jnp.asarray(acts[0][m * k:]), ref_shared)
-    assert X.gate_up_pairs(m, k, True, True) == m * k + 1 and X.gate_up_pairs(m, k, True, False) == m * (k + 1)
-
-
 @pytest.mark.parametrize("m", [1, 3])
 def test_moe_block_load_order_knobs_keep_the_output_bits(m, monkeypatch):
     """The router's norm after its first weight loads, the expert kernels' global scales and residual before their
