@@ -43,7 +43,8 @@ QKV_BLOCK: "G.Blocks | None" = None
 # gemv's table keeps the FMA path (gemv.TABLE_DOT_MIN_ROWS): below 8 rows x's rows are repeated inside the kernel to
 # the MMA's 8 columns (weight_tiles.repeat_rows), so no XLA pad or slice kernel is added. Run DP (H200,
 # tune_weight_kernels, 24 layers): at 4 rows the dot path took 12.6 us against 15.8 for the FMA table's blocks; at 2
-# rows 12.6 against 9.9. None: gemv's table decides.
+# rows 12.6 against 9.9. In the batch-4 step (run DR, profile_decode.py, 8K): 15.8 -> 11.9 us per layer. None: gemv's
+# table decides.
 QKV_DOT_MIN_ROWS: int | None = 4
 
 

@@ -454,15 +454,15 @@ def first_columns(acc: jax.Array, r: int) -> jax.Array:
 
 def stream_rows_dot(xs: XSource, weights: Sequence[tuple[WeightSpec, Sequence]], n0, bn: int, bk: int,
                     inv: jax.Array | None = None, ptx: bool = False, cols: int | None = None) -> list[jax.Array]:
-    """Tensor-core variant of stream_rows for a block of rows: `W_w[0, n0:n0+bn, :] @ x[R, :].T` as f32 [bn, R]
+    """Tensor-core variant of stream_rows for a block of rows: `W_w[0, n0:n0+bn, :] @ x[R, :].T` as f32 [bn, cols]
     per weight (the weight tile is the dot's left operand, which the tensor cores read from registers), R = the rows
-    of xs.ref (padded to at least 8 by the caller: gemv.dot_rows). xs reads x as [R, K] (kind "bf16", whatever the
-    weight's kind). NVFP4 codes come as [E, N, K/2] (`dot_operands`); each K step of bk values (bk/2 code bytes)
+    of xs.ref; the MMA needs at least 8 columns, so either the caller pads x to 8 rows (gemv.dot_rows) or passes
+    `cols` (below). xs reads x as [R, K] (kind "bf16", whatever the weight's kind). NVFP4 codes come as [E, N, K/2] (`dot_operands`); each K step of bk values (bk/2 code bytes)
     is decoded to BF16 by the packed decode above (exact: E2M1 x E4M3 x 2^-8, at most 6 significant bits;
     inline PTX when `ptx`), and the caller multiplies the accumulator by global_scale * 2^PACKED_EXP
-    (`dot_scale`). So the FMA pipe only decodes. Needs bn >= 16 and bk >= 32. cols (a multiple of the rows, at
-    least 8): the MMA's N, x's rows repeated to fill it (`repeat_rows`); the result is then [bn, cols], its first
-    rows columns the rows' (`first_columns`)."""
+    (`dot_scale`). So the FMA pipe only decodes. Needs bn >= 16 and bk >= 32. cols (default R; a multiple of R,
+    at least 8): the MMA's N, x's rows repeated to fill it (`repeat_rows`); the first R columns of the result are
+    the rows' (`first_columns`)."""
     spec0 = weights[0][0]
     k = spec0.k
     rows = xs.ref.shape[0]
