@@ -53,6 +53,12 @@ ROUTER_BLOCK = (2, 2048, 8, 1)  # 8 warps: 2.43 vs 2.53 us on the H200 (tune_wei
 # kernels got faster (gate/up 8.5 -> 7.1 us, down 7.0 -> 5.4) but the router's serial top-k tail (2.8 -> 5.8 us)
 # and the counter's zeroing copy (one more launch, 0.9 us) ate it: 2.962 vs 2.916 ms per step at 100K.
 ROUTE_IN_ROUTER = False
+# Batches of at least this many tokens take the top-k from one kernel of its own (router.top_k_slots: every token in
+# one program, one launch more per MoE layer), which both expert kernels read, instead of every routed gate/up
+# program recomputing its token's top-k (the default below it; None: never). At batches 4-8 the gate/up kernel runs
+# 1,500-3,000 programs, each of which otherwise spends 6 rounds of cross-warp argmax on the same 256 logits.
+# The same ids and weights bit for bit (the same rounds in the same order; test_kernels_moe).
+TOPK_KERNEL_MIN_ROWS: int | None = None
 # Blocks of at most moe_persistent.PERSISTENT_MAX_ROWS tokens as one persistent kernel (router, gate/up and down
 # phases behind grid barriers, moe_persistent.py) instead of the three kernels below. Off: measured in the whole
 # step on the H200 (NVFP4, 100K, B = 1) it took 28.2 us per layer (29.2 with load polling) against 18.4 us for the
@@ -331,6 +337,8 @@ def moe_block(h: jax.Array, layer, cfg: FlintConfig, *, interpret: bool = False,
         logits, b = router_mod.router_logits(flat, moe.router, norm_weight=layer.mlp_norm, eps=cfg.rms_norm_eps,
                                              interpret=interpret, block=block)
         routing = None
+        if TOPK_KERNEL_MIN_ROWS is not None and flat.shape[0] >= TOPK_KERNEL_MIN_ROWS:
+            routing = router_mod.top_k_slots(logits, moe.router_bias, cfg, interpret=interpret)
     if routing is None and ROUTING_TO_DOWN:
         act, ids, ws = expert_gate_up(b, logits, moe, cfg, interpret=interpret, block=blocks.get("gate_up"),
                                       emit_routing=True)

@@ -210,25 +210,27 @@ def _topk_kernel(logits_ref, bias_ref, ids_ref, w_ref, *, k, kp, rows, norm, sca
 PREFILL_ROWS = 16
 
 
-def top_k_experts(logits: jax.Array, bias: jax.Array, cfg: FlintConfig, *, interpret: bool = False,
-                  rows: int = 1, scores_given: bool = False):
-    """Sigmoid top-k of FP32 logits [M, E] (select_experts_rows, `rows` tokens per program, a power of two) ->
-    (ids [M, k] int32, weights [M, k] f32): layers.route_from_logits' ids, and its weights to FP32 rounding (the
-    k scores are summed in slot order). scores_given: `logits` holds jax.nn.sigmoid(logits) already (computed by
-    XLA, as layers.route_from_logits does: then the selection sees the very same scores; the kernel's own sigmoid
-    uses the GPU's fast exponential, whose last bits can flip a near-tie)."""
+def top_k_slots(logits: jax.Array, bias: jax.Array, cfg: FlintConfig, *, interpret: bool = False,
+                rows: int | None = None, scores_given: bool = False):
+    """Sigmoid top-k of FP32 logits [M, E] in the layout the expert kernels read (moe_experts routing): (ids
+    [MP, KP] int32, weights [MP, KP] f32), MP = M rounded up to `rows` tokens per program (a power of two; default
+    every token in one program), KP = k rounded up to a power of two; slots past k and rows past M hold what the
+    rounds give for padding (zeros and a padding row's selection): callers index rows < M and slots < k only.
+    No slice follows the kernel, so in a jitted step it is one launch (two with a pad when M is not a multiple of
+    `rows`)."""
     m, e = logits.shape
+    rows = wt.pow2_rows(m) if rows is None else rows
     if rows < 1 or rows & (rows - 1):
         raise ValueError(f"rows must be a power of two, got {rows}")
     k = cfg.num_experts_per_tok
     kp = wt.pow2_rows(k)
     mp = -(-m // rows) * rows
     logits = logits.astype(F32)
-    if mp != m:  # padding rows select something; they are cut off below
+    if mp != m:  # padding rows select something; callers never read them
         logits = jnp.pad(logits, ((0, mp - m), (0, 0)))
     kernel = functools.partial(_topk_kernel, k=k, kp=kp, rows=rows, norm=bool(cfg.norm_topk_prob),
                                scaling=float(cfg.routed_scaling_factor), scores_given=scores_given)
-    ids, w = pl.pallas_call(
+    return pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((mp, kp), jnp.int32), jax.ShapeDtypeStruct((mp, kp), F32)),
         grid=(mp // rows,),
@@ -238,6 +240,18 @@ def top_k_experts(logits: jax.Array, bias: jax.Array, cfg: FlintConfig, *, inter
         interpret=interpret,
         name="router_top_k",
     )(logits, layer_stack.value(bias).astype(F32))
+
+
+def top_k_experts(logits: jax.Array, bias: jax.Array, cfg: FlintConfig, *, interpret: bool = False,
+                  rows: int = 1, scores_given: bool = False):
+    """Sigmoid top-k of FP32 logits [M, E] (select_experts_rows, `rows` tokens per program, a power of two) ->
+    (ids [M, k] int32, weights [M, k] f32): layers.route_from_logits' ids, and its weights to FP32 rounding (the
+    k scores are summed in slot order). scores_given: `logits` holds jax.nn.sigmoid(logits) already (computed by
+    XLA, as layers.route_from_logits does: then the selection sees the very same scores; the kernel's own sigmoid
+    uses the GPU's fast exponential, whose last bits can flip a near-tie)."""
+    m = logits.shape[0]
+    ids, w = top_k_slots(logits, bias, cfg, interpret=interpret, rows=rows, scores_given=scores_given)
+    k = cfg.num_experts_per_tok
     return ids[:m, :k], w[:m, :k]
 
 

@@ -77,6 +77,14 @@ def _variants():
         "rope_in_kernel": [(DA, "ROPE_TABLE", False)],  # cos/sin evaluated in every ring program (before run DI)
         "topk_per_program": [(ME, "ROUTE_IN_ROUTER", False)],  # the default since run G
         "topk_in_router": [(ME, "ROUTE_IN_ROUTER", True)],
+        "topk_kernel": [(ME, "TOPK_KERNEL_MIN_ROWS", 1)],  # the top-k in a kernel of its own at every batch
+        "topk_in_programs": [(ME, "TOPK_KERNEL_MIN_ROWS", None)],  # every routed gate/up program's own top-k
+        # expert kernel blocks (bn, bk, warps, stages) other than the batch-1 tuned ones, for batches 4-8
+        "gu_bn16": [(ME, "GATE_UP_BLOCK", (16, 1024, 4, 3))],
+        "gu_bn16_w8": [(ME, "GATE_UP_BLOCK", (16, 1024, 8, 3))],
+        "gu_bk2048": [(ME, "GATE_UP_BLOCK", (8, 2048, 4, 3))],
+        "down_bn16": [(ME, "DOWN_BLOCK", (16, 512, 4, 1))],
+        "down_bn16_w8": [(ME, "DOWN_BLOCK", (16, 512, 8, 1))],
         "down_recomputes_topk": [(ME, "ROUTING_TO_DOWN", False)],
         "topk_two_reductions": [(RT, "TOPK_ARGMAX", False)],  # max then lowest index per round (before run BR)
         "norm_before_loads": [(WT, "NORM_AFTER_LOADS", False)],  # the norm prologue first (before run BS)

@@ -152,16 +152,39 @@ def test_moe_block_matches_mlp_block(kind, m):
     assert_residual_close(run_block(kernel_block, h, layer, CFG), run_block(layers.mlp_block, h, layer, CFG), h)
 
 
-@pytest.mark.parametrize("m", [1, 8])
+@pytest.mark.parametrize("m", [1, 3, 8])
 def test_moe_block_routing_paths_agree(m, monkeypatch):
-    """Top-k in the router's last program (ROUTE_IN_ROUTER) or in every expert program: the same output bits."""
+    """Top-k in the router's last program (ROUTE_IN_ROUTER), in a kernel of its own (TOPK_KERNEL_MIN_ROWS; at 3
+    tokens its logits are padded to 4 rows) or in every expert program: the same output bits."""
     layer = layer_of("nvfp4")
     h = hidden(200 + m, m)
     outs = []
-    for flag in (True, False):
-        monkeypatch.setattr(X, "ROUTE_IN_ROUTER", flag)
+    for in_router, min_rows in ((True, None), (False, 1), (False, None)):
+        monkeypatch.setattr(X, "ROUTE_IN_ROUTER", in_router)
+        monkeypatch.setattr(X, "TOPK_KERNEL_MIN_ROWS", min_rows)
         outs.append(np.asarray(run_block(kernel_block, h, layer, CFG)))
-    np.testing.assert_array_equal(outs[0], outs[1])
+    np.testing.assert_array_equal(outs[0], outs[2])
+    np.testing.assert_array_equal(outs[1], outs[2])
+
+
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_top_k_slots_match_the_expert_kernels_routing(m):
+    """router.top_k_slots (what the expert kernels read under TOPK_KERNEL_MIN_ROWS) gives the ids and weights the
+    gate/up kernel computes itself (ROUTING_TO_DOWN's output), in the same [rows, 8] layout, rows < M."""
+    layer = layer_of("nvfp4")
+    moe = layer.mlp
+    h = hidden(600 + m, m)
+    b = layers.rmsnorm(h, layer.mlp_norm, CFG.rms_norm_eps)
+    logits = jnp.einsum("mh,eh->me", b.astype(F32), moe.router.astype(F32))
+    ids, ws = jax.jit(lambda lg: R.top_k_slots(lg, moe.router_bias, CFG, interpret=INTERPRET))(logits)
+    assert ids.shape == ws.shape == (4 if m == 3 else m, 8)
+    _, g_ids, g_ws = jax.jit(lambda b, lg: X.expert_gate_up(b, lg, moe, CFG, interpret=INTERPRET,
+                                                             emit_routing=True))(b, logits)
+    k = CFG.num_experts_per_tok
+    np.testing.assert_array_equal(np.asarray(ids[:m, :k]), np.asarray(g_ids[:, :k]))
+    np.testing.assert_array_equal(np.asarray(ws[:m, :k]), np.asarray(g_ws[:, :k]))
+    ref_ids, _ = layers.route_from_logits(logits, moe.router_bias, CFG)
+    np.testing.assert_array_equal(np.asarray(ids[:m, :k]), np.asarray(ref_ids))
 
 
 @pytest.mark.parametrize("m", [1, 3])
@@ -232,12 +255,14 @@ def test_dense_mlp_block_matches_mlp_block(kind, m):
 @pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
 def test_blocks_lower_to_three_and_two_triton_kernels(kind, monkeypatch):
     """Lowered for the GPU (Pallas -> Triton IR, no GPU needed; see test_kernels_gemv.lower_for_gpu): the MoE block is
-    exactly 3 Triton kernels (1 with PERSISTENT at 1 and 2 tokens), the
+    exactly 3 Triton kernels (1 with PERSISTENT at 1 and 2 tokens; 4 from TOPK_KERNEL_MIN_ROWS tokens on), the
     dense block 2, the standalone router 2. This is the stage where the BF16 expert kernels once failed on the GPU (a
     one-step K loop) while interpret mode passed."""
     from test_kernels_gemv import TRITON_CALL, lower_for_gpu
-    for persistent, m, kernels in ((False, 1, 3), (False, 8, 3), (True, 1, 1), (True, 2, 1), (True, 8, 3)):
-        monkeypatch.setattr(X, "PERSISTENT", persistent)
+    for persistent, m, kernels in ((False, 1, 3), (False, 8, 3), (True, 1, 1), (True, 2, 1), (True, 8, 3),
+                                   ("topk", 1, 3), ("topk", 4, 4), ("topk", 8, 4)):
+        monkeypatch.setattr(X, "PERSISTENT", persistent is True)
+        monkeypatch.setattr(X, "TOPK_KERNEL_MIN_ROWS", 4 if persistent == "topk" else None)
         h = hidden(m, m)
         moe = lower_for_gpu(monkeypatch, lambda h, l: X.moe_block(h, l, CFG), h, layer_of(kind))
         assert moe.count(TRITON_CALL) == kernels
