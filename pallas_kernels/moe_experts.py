@@ -1,10 +1,13 @@
 """Routed + shared experts of a Flint MoE layer for decode (M <= 8 tokens), and the MLP half of a layer.
 
-    moe_block(h, layer, cfg)        = layers.mlp_block(h, layer, cfg) for an MoE layer in three kernels (or, with
-                                      PERSISTENT, at most 2 tokens in one persistent kernel: moe_persistent.py):
+    moe_block(h, layer, cfg)        = layers.mlp_block(h, layer, cfg) for an MoE layer in three kernels, four from
+                                      TOPK_KERNEL_MIN_ROWS tokens on (or, with PERSISTENT, at most 2 tokens in
+                                      one persistent kernel: moe_persistent.py):
         1. router.router_logits     b = rmsnorm(h), FP32 logits = b @ router.T                      [M, E]
                                     and (ROUTE_IN_ROUTER, off by default) the top-k ids and weights, by its
                                     last program
+       (1b. router.top_k_slots      from TOPK_KERNEL_MIN_ROWS tokens: every token's top-k in one program, read
+                                    by both expert kernels                                 ids, weights [M, KP])
         2. expert_gate_up           per (token, slot) pair and block of I rows: the slot's expert id (read, or
                                     recomputed from the logits), the expert's gate and up rows streamed once,
                                     SwiGLU fused;
@@ -45,6 +48,11 @@ DOWN_BLOCK = (8, 512, 4, 1)  # (rows of H per program, ...); I = 512 is one K st
 # The same for BF16 experts. Gate/up: tune_weight_kernels.py --weights bf16 (run BB) 12.16 -> 11.22 us, and in the
 # step (run BD) 12.5 -> 11.6 us. Down: the sweep's best (4, 512, 2, 1; 9.28 -> 9.01 us alone) was slower in the step
 # (7.5 -> 8.1 us, run BD), so it keeps the NVFP4 block.
+# NVFP4 down blocks from DOWN_MANY_ROWS tokens on (None: DOWN_BLOCK at every batch): 16 rows of H per program,
+# half the programs of DOWN_BLOCK, each streaming its token's 7 experts. In the step on the H200 (runs DU-DV, 8K):
+# down 14.1 -> 13.2 us per layer at batch 4, 24.6 -> 24.1 at batch 8; with 8 warps 16.8 at batch 4.
+DOWN_MANY_ROWS: int | None = 4
+DOWN_BLOCK_MANY = (16, 512, 4, 1)
 BF16_GATE_UP_BLOCK = (4, 2048, 4, 3)
 BF16_DOWN_BLOCK = DOWN_BLOCK
 ROUTER_BLOCK = (2, 2048, 8, 1)  # 8 warps: 2.43 vs 2.53 us on the H200 (tune_weight_kernels)
@@ -57,8 +65,13 @@ ROUTE_IN_ROUTER = False
 # one program, one launch more per MoE layer), which both expert kernels read, instead of every routed gate/up
 # program recomputing its token's top-k (the default below it; None: never). At batches 4-8 the gate/up kernel runs
 # 1,500-3,000 programs, each of which otherwise spends 6 rounds of cross-warp argmax on the same 256 logits.
-# The same ids and weights bit for bit (the same rounds in the same order; test_kernels_moe).
-TOPK_KERNEL_MIN_ROWS: int | None = None
+# The same ids and weights bit for bit (the same rounds in the same order; test_kernels_moe). Measured in the step
+# on the H200 (scripts/profile_decode.py, 8K, device time; docs/BENCHMARKS.md runs DU-DY): batch 4 gate/up 23.6 ->
+# 18.8 us per layer plus 3.5 us for the top-k kernel, step 3.647 -> 3.573 ms; batch 8 gate/up 42.7 -> 34.0 us plus
+# 5.3, step 5.672 -> 5.519 ms. Batch 2 with a one-warp top-k kernel was slower (2.558 -> 2.598 ms; 4 warps not timed
+# there), so it starts at 4 tokens. One warp at batch 4 took 7.9 us against 3.5 with 4 (TOPK_SLOTS_WARPS); one
+# program per token 2.7 us (router.TOPK_SLOTS_ROWS, run DY: step 3.512 ms).
+TOPK_KERNEL_MIN_ROWS: int | None = 4
 # Blocks of at most moe_persistent.PERSISTENT_MAX_ROWS tokens as one persistent kernel (router, gate/up and down
 # phases behind grid barriers, moe_persistent.py) instead of the three kernels below. Off: measured in the whole
 # step on the H200 (NVFP4, 100K, B = 1) it took 28.2 us per layer (29.2 with load polling) against 18.4 us for the
@@ -298,6 +311,8 @@ def expert_down(act: jax.Array, logits: jax.Array, moe, cfg: FlintConfig, residu
     operands = [*_route_operands(logits, moe, routing), wt.x_operand(act.astype(BF16), d_spec.kind), *d_ops,
                 *shared_ops]
     table = DOWN_BLOCK if d_spec.kind == "nvfp4" else BF16_DOWN_BLOCK
+    if d_spec.kind == "nvfp4" and DOWN_MANY_ROWS is not None and m >= DOWN_MANY_ROWS:
+        table = DOWN_BLOCK_MANY
     bn, bk, warps, stages, _, _ = _pick(hidden, d_spec.k, d_spec.kind, block or table)
     operands.append(residual.astype(BF16))
     operands, in_specs = layer_stack.kernel_args(operands)

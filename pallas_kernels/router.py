@@ -210,16 +210,23 @@ def _topk_kernel(logits_ref, bias_ref, ids_ref, w_ref, *, k, kp, rows, norm, sca
 PREFILL_ROWS = 16
 
 
+# Warps of the top_k_slots kernel, and tokens per program (None: a decode batch's <= 8 tokens in one program).
+# In the batch-4 step on the H200 (scripts/profile_decode.py, 8K; docs/BENCHMARKS.md runs DU-DY): all 4 tokens in
+# one program 3.5 us with 4 warps, 7.9 with 1, 3.2 with 8; one program per token (4 warps) 2.7 us, step 3.512 ms.
+TOPK_SLOTS_WARPS = 4
+TOPK_SLOTS_ROWS: int | None = 1
+
+
 def top_k_slots(logits: jax.Array, bias: jax.Array, cfg: FlintConfig, *, interpret: bool = False,
-                rows: int | None = None, scores_given: bool = False):
+                rows: int | None = None, scores_given: bool = False, num_warps: int | None = None):
     """Sigmoid top-k of FP32 logits [M, E] in the layout the expert kernels read (moe_experts routing): (ids
     [MP, KP] int32, weights [MP, KP] f32), MP = M rounded up to `rows` tokens per program (a power of two; default
-    every token in one program), KP = k rounded up to a power of two; slots past k and rows past M hold what the
+    TOPK_SLOTS_ROWS, or every token in one program), KP = k rounded up to a power of two; slots past k and rows past M hold what the
     rounds give for padding (zeros and a padding row's selection): callers index rows < M and slots < k only.
     No slice follows the kernel, so in a jitted step it is one launch (two with a pad when M is not a multiple of
     `rows`)."""
     m, e = logits.shape
-    rows = wt.pow2_rows(m) if rows is None else rows
+    rows = rows or TOPK_SLOTS_ROWS or wt.pow2_rows(m)
     if rows < 1 or rows & (rows - 1):
         raise ValueError(f"rows must be a power of two, got {rows}")
     k = cfg.num_experts_per_tok
@@ -230,16 +237,18 @@ def top_k_slots(logits: jax.Array, bias: jax.Array, cfg: FlintConfig, *, interpr
         logits = jnp.pad(logits, ((0, mp - m), (0, 0)))
     kernel = functools.partial(_topk_kernel, k=k, kp=kp, rows=rows, norm=bool(cfg.norm_topk_prob),
                                scaling=float(cfg.routed_scaling_factor), scores_given=scores_given)
+    # a layer of a stacked bias goes in as its stack with the layer's BlockSpec: an XLA slice would be a kernel
+    operands, in_specs = layer_stack.kernel_args([logits, bias.astype(F32)])
     return pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((mp, kp), jnp.int32), jax.ShapeDtypeStruct((mp, kp), F32)),
         grid=(mp // rows,),
-        in_specs=[pl.no_block_spec] * 2,
+        in_specs=in_specs,
         out_specs=(pl.BlockSpec((rows, kp), lambda t: (t, 0)), pl.BlockSpec((rows, kp), lambda t: (t, 0))),
-        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=plt.CompilerParams(num_warps=num_warps or TOPK_SLOTS_WARPS, num_stages=1),
         interpret=interpret,
         name="router_top_k",
-    )(logits, layer_stack.value(bias).astype(F32))
+    )(*operands)
 
 
 def top_k_experts(logits: jax.Array, bias: jax.Array, cfg: FlintConfig, *, interpret: bool = False,
@@ -250,7 +259,7 @@ def top_k_experts(logits: jax.Array, bias: jax.Array, cfg: FlintConfig, *, inter
     XLA, as layers.route_from_logits does: then the selection sees the very same scores; the kernel's own sigmoid
     uses the GPU's fast exponential, whose last bits can flip a near-tie)."""
     m = logits.shape[0]
-    ids, w = top_k_slots(logits, bias, cfg, interpret=interpret, rows=rows, scores_given=scores_given)
+    ids, w = top_k_slots(logits, bias, cfg, interpret=interpret, rows=rows, scores_given=scores_given, num_warps=4)
     k = cfg.num_experts_per_tok
     return ids[:m, :k], w[:m, :k]
 

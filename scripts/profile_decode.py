@@ -79,6 +79,12 @@ def _variants():
         "topk_in_router": [(ME, "ROUTE_IN_ROUTER", True)],
         "topk_kernel": [(ME, "TOPK_KERNEL_MIN_ROWS", 1)],  # the top-k in a kernel of its own at every batch
         "topk_in_programs": [(ME, "TOPK_KERNEL_MIN_ROWS", None)],  # every routed gate/up program's own top-k
+        "topk_w1": [(RT, "TOPK_SLOTS_WARPS", 1)],  # the top-k kernel on one warp (no cross-warp reductions)
+        "topk_w2": [(RT, "TOPK_SLOTS_WARPS", 2)],
+        "topk_w8": [(RT, "TOPK_SLOTS_WARPS", 8)],
+        "topk_rows1": [(RT, "TOPK_SLOTS_ROWS", 1)],  # one program per token
+        "down_many4": [(ME, "DOWN_MANY_ROWS", 4)],  # DOWN_BLOCK_MANY from 4 tokens on
+        "down_block_every_batch": [(ME, "DOWN_MANY_ROWS", None)],  # DOWN_BLOCK at every batch (before run DW)
         # expert kernel blocks (bn, bk, warps, stages) other than the batch-1 tuned ones, for batches 4-8
         "gu_bn16": [(ME, "GATE_UP_BLOCK", (16, 1024, 4, 3))],
         "gu_bn16_w8": [(ME, "GATE_UP_BLOCK", (16, 1024, 8, 3))],

@@ -154,8 +154,8 @@ def test_moe_block_matches_mlp_block(kind, m):
 
 @pytest.mark.parametrize("m", [1, 3, 8])
 def test_moe_block_routing_paths_agree(m, monkeypatch):
-    """Top-k in the router's last program (ROUTE_IN_ROUTER), in a kernel of its own (TOPK_KERNEL_MIN_ROWS; at 3
-    tokens its logits are padded to 4 rows) or in every expert program: the same output bits."""
+    """Top-k in the router's last program (ROUTE_IN_ROUTER), in a kernel of its own (TOPK_KERNEL_MIN_ROWS, one
+    program per token) or in every expert program: the same output bits."""
     layer = layer_of("nvfp4")
     h = hidden(200 + m, m)
     outs = []
@@ -168,16 +168,19 @@ def test_moe_block_routing_paths_agree(m, monkeypatch):
 
 
 @pytest.mark.parametrize("m", [1, 3, 8])
-def test_top_k_slots_match_the_expert_kernels_routing(m):
+@pytest.mark.parametrize("rows", [None, 1], ids=["one_program", "one_per_token"])
+def test_top_k_slots_match_the_expert_kernels_routing(m, rows, monkeypatch):
     """router.top_k_slots (what the expert kernels read under TOPK_KERNEL_MIN_ROWS) gives the ids and weights the
-    gate/up kernel computes itself (ROUTING_TO_DOWN's output), in the same [rows, 8] layout, rows < M."""
+    gate/up kernel computes itself (ROUTING_TO_DOWN's output), in the same [rows, 8] layout, rows < M, with every
+    token in one program (3 tokens padded to 4) or one program per token (TOPK_SLOTS_ROWS)."""
+    monkeypatch.setattr(R, "TOPK_SLOTS_ROWS", rows)
     layer = layer_of("nvfp4")
     moe = layer.mlp
     h = hidden(600 + m, m)
     b = layers.rmsnorm(h, layer.mlp_norm, CFG.rms_norm_eps)
     logits = jnp.einsum("mh,eh->me", b.astype(F32), moe.router.astype(F32))
     ids, ws = jax.jit(lambda lg: R.top_k_slots(lg, moe.router_bias, CFG, interpret=INTERPRET))(logits)
-    assert ids.shape == ws.shape == (4 if m == 3 else m, 8)
+    assert ids.shape == ws.shape == (4 if m == 3 and rows is None else m, 8)
     _, g_ids, g_ws = jax.jit(lambda b, lg: X.expert_gate_up(b, lg, moe, CFG, interpret=INTERPRET,
                                                              emit_routing=True))(b, logits)
     k = CFG.num_experts_per_tok
