@@ -6,8 +6,8 @@
         1. router.router_logits     b = rmsnorm(h), FP32 logits = b @ router.T                      [M, E]
                                     and (ROUTE_IN_ROUTER, off by default) the top-k ids and weights, by its
                                     last program
-       (1b. router.top_k_slots      from TOPK_KERNEL_MIN_ROWS tokens: every token's top-k in one program, read
-                                    by both expert kernels                                 ids, weights [M, KP])
+       (1b. router.top_k_slots      from TOPK_KERNEL_MIN_ROWS tokens: every token's top-k once (a program per
+                                    token), read by both expert kernels                    ids, weights [M, KP])
         2. expert_gate_up           per (token, slot) pair and block of I rows: the slot's expert id (read, or
                                     recomputed from the logits), the expert's gate and up rows streamed once,
                                     SwiGLU fused;
@@ -61,8 +61,8 @@ ROUTER_BLOCK = (2, 2048, 8, 1)  # 8 warps: 2.43 vs 2.53 us on the H200 (tune_wei
 # kernels got faster (gate/up 8.5 -> 7.1 us, down 7.0 -> 5.4) but the router's serial top-k tail (2.8 -> 5.8 us)
 # and the counter's zeroing copy (one more launch, 0.9 us) ate it: 2.962 vs 2.916 ms per step at 100K.
 ROUTE_IN_ROUTER = False
-# Batches of at least this many tokens take the top-k from one kernel of its own (router.top_k_slots: every token in
-# one program, one launch more per MoE layer), which both expert kernels read, instead of every routed gate/up
+# Batches of at least this many tokens take the top-k from one kernel of its own (router.top_k_slots: one program
+# per token, one launch more per MoE layer), which both expert kernels read, instead of every routed gate/up
 # program recomputing its token's top-k (the default below it; None: never). At batches 4-8 the gate/up kernel runs
 # 1,500-3,000 programs, each of which otherwise spends 6 rounds of cross-warp argmax on the same 256 logits.
 # The same ids and weights bit for bit (the same rounds in the same order; test_kernels_moe). Measured in the step

@@ -221,8 +221,9 @@ def top_k_slots(logits: jax.Array, bias: jax.Array, cfg: FlintConfig, *, interpr
                 rows: int | None = None, scores_given: bool = False, num_warps: int | None = None):
     """Sigmoid top-k of FP32 logits [M, E] in the layout the expert kernels read (moe_experts routing): (ids
     [MP, KP] int32, weights [MP, KP] f32), MP = M rounded up to `rows` tokens per program (a power of two; default
-    TOPK_SLOTS_ROWS, or every token in one program), KP = k rounded up to a power of two; slots past k and rows past M hold what the
-    rounds give for padding (zeros and a padding row's selection): callers index rows < M and slots < k only.
+    TOPK_SLOTS_ROWS, or every token in one program), KP = k rounded up to a power of two; slots past k and rows
+    past M hold what the rounds give for padding (zeros and a padding row's selection): callers index rows < M and
+    slots < k only.
     No slice follows the kernel, so in a jitted step it is one launch (two with a pad when M is not a multiple of
     `rows`)."""
     m, e = logits.shape
