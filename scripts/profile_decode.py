@@ -80,7 +80,6 @@ def _variants():
         "topk_kernel": [(ME, "TOPK_KERNEL_MIN_ROWS", 1)],  # the top-k in a kernel of its own at every batch
         "topk_in_programs": [(ME, "TOPK_KERNEL_MIN_ROWS", None)],  # every routed gate/up program's own top-k
         "topk_w1": [(RT, "TOPK_SLOTS_WARPS", 1)],  # the top-k kernel on one warp (no cross-warp reductions)
-        "topk_w2": [(RT, "TOPK_SLOTS_WARPS", 2)],
         "topk_w8": [(RT, "TOPK_SLOTS_WARPS", 8)],
         "topk_rows1": [(RT, "TOPK_SLOTS_ROWS", 1)],  # one program per token
         "down_many4": [(ME, "DOWN_MANY_ROWS", 4)],  # DOWN_BLOCK_MANY from 4 tokens on
