@@ -38,6 +38,7 @@ from flint_jax import layers as L
 from flint_jax.config import FlintConfig
 from flint_jax.pallas_kernels.attention_prologue import (ROWS, check_cache, finish_heads, load_raw_heads, load_rope,
                                                          qkv_projection, rope_cos_sin, rope_tables, store_kv)
+from flint_jax.pallas_kernels.ring_heads import ring_attention_by_head
 from flint_jax.pallas_kernels.weight_tiles import pow2_rows
 from flint_jax.state import FullCache, RingCache
 
@@ -86,6 +87,9 @@ MAX_EXTRA_SLOTS = 4
 # NVFP4 step at 100K, batch 1): ring kernel 6.3 -> 5.6 us, step 2.333 -> 2.309 ms, for one more XLA kernel per step
 # (the table, ~1.1 us; XLA's CSE keeps one for the 35 layers).
 ROPE_TABLE = True
+# Sliding layers by `ring_heads.ring_attention_by_head`: one program per query head over the whole ring, o finished
+# in the kernel (no partials, no `combine`: one launch per layer fewer) instead of the split kernel + `combine`.
+RING_BY_HEAD = False
 # The last-arriving program folds at most this many splits (FOLD_VALUES below per load); more splits (full layers at
 # long contexts: 64 at B = 1) go to the `combine` kernel, which folds them in parallel over (sequence, head)
 # programs: one program folding 128 splits cost 113 us per layer at 100K on the H200 (docs/BENCHMARKS.md).
@@ -469,6 +473,8 @@ def fused_decode_attention(qkv: jax.Array, attn, cache, positions: jax.Array, ac
                            interpret: bool = False):
     """From the raw projection qkv [B, Hq+2KV, D] (`qkv_projection`): finish Q/K, write K/V, attend.
     Returns (o [B, Hq, D] bf16, new cache)."""
+    if sliding and RING_BY_HEAD and splits is None and isinstance(cache, RingCache):
+        return ring_attention_by_head(qkv, attn, cache, positions, active, cfg, interpret=interpret)
     rope = rope_cos_sin(positions, cfg) if sliding and ROPE_TABLE else rope_tables(cfg)
     return _attention_call("fused", [qkv, attn.q_norm, attn.k_norm, rope], cache, positions, active,
                            attn.sinks, cfg, sliding, splits, min_chunk, interpret)
