@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 # Pallas' interpret mode (the kernels on a CPU) imports this module during the first trace of a program that uses
@@ -110,6 +111,10 @@ def run_layers(layers, caches, h: jax.Array, lengths: jax.Array, n_new: jax.Arra
     valid = t < n_new[:, None]
     lengths_after = lengths + n_new
     blocks = _blocks(impl, T)
+    B = h.shape[0]
+    rows = blocks.rows(B) if blocks.rows else B
+    if rows != B:
+        h = jnp.pad(h, ((0, rows - B),) + ((0, 0),) * (h.ndim - 1))
     stacked = isinstance(caches, StackedCaches)
     out = []
     for j, layer in enumerate(layers):
@@ -124,7 +129,7 @@ def run_layers(layers, caches, h: jax.Array, lengths: jax.Array, n_new: jax.Arra
             caches = caches.with_cache(i, cache)  # the next layer reads the stacks this one wrote
         else:
             out.append(cache)
-    return h, caches if stacked else tuple(out)
+    return h[:B], caches if stacked else tuple(out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +138,10 @@ class Blocks:
     attention: callable
     mlp: callable
     takes_layer_slices: bool = False  # the blocks accept layer_stack.LayerSlice parameters
+    # B -> the rows the blocks want h to carry (padding rows past B: the caches, positions and valid keep B rows).
+    # run_layers pads h once before the first layer and slices it once after the last, instead of every kernel
+    # padding its input and slicing its output (pallas_path: decode kernels take 1, 2, 4 or 8 rows).
+    rows: Callable[[int], int] | None = None
 
 
 def _blocks(impl: str, T: int) -> Blocks:

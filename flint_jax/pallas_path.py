@@ -77,7 +77,7 @@ def kernel_census(cfg, weights: str = "nvfp4", batch: int = 1, impl: str = "pall
     """What one decode step launches on a GPU, found without one: the step is lowered for CUDA (abstract parameters,
     nothing allocated; the layers' parameters stacked with `stacked_params` (layer_stack), the caches with
     `stacked_caches` (state.StackedCaches)). Returns {"pallas_kernels": n,
-    "by_kernel": {name: n}, "other_hlo_ops": n, "argument_buffers": n}; the other ops are XLA glue that the device
+    "by_kernel": {name: n}, "other_hlo_ops": n, "other_by_op": {op: n}, "argument_buffers": n}; the other ops are XLA glue that the device
     compiler fuses into an unknown (smaller) number of kernels; the argument buffers are what the host hands over
     per call (parameters and state)."""
     import collections
@@ -109,6 +109,7 @@ def kernel_census(cfg, weights: str = "nvfp4", batch: int = 1, impl: str = "pall
     return {"pallas_kernels": sum(n for c, n in calls.items() if "triton" in c or "mosaic" in c),
             "by_kernel": dict(names.most_common()),
             "other_hlo_ops": sum(n for op, n in ops.items() if op not in free),
+            "other_by_op": {op: n for op, n in ops.most_common() if op not in free},
             "argument_buffers": len(jax.tree.leaves(params)) + len(jax.tree.leaves(state))}
 
 
@@ -201,14 +202,24 @@ def sample_top_k(logits, keys, temperature, top_k, top_p):
     return top_k_sampling.sample_top_k(logits, keys, temperature, top_k, top_p, interpret=_interpret())
 
 
+def _padded_rows(batch: int) -> int:
+    """The decode kernels take 1, 2, 4 or 8 rows: at 3 or 5-7 sequences h carries padding rows through the whole
+    step (model.run_layers pads it once), so no kernel pads its input or slices its output. Measured on the H200
+    before (scripts/profile_decode.py, batch 3 at 8K, docs/BENCHMARKS.md runs DZ-EB): ~330 pad and copy kernels per
+    step, ~370 us of a 3.65 ms step, slower than batch 4."""
+    from flint_jax.pallas_kernels.weight_tiles import pow2_rows
+    return pow2_rows(batch)
+
+
 def blocks(T: int):
     """The (attention, mlp) halves for chunks of T tokens."""
     from flint_jax.model import Blocks, attention_block
     k = _kernels()
     if T == 1:
+        both = bool(k["decode_attention"] and k["decode_mlp"])
         return Blocks(attention=_decode_attention if k["decode_attention"] else attention_block,
                       mlp=_decode_mlp if k["decode_mlp"] else L.mlp_block,
-                      takes_layer_slices=bool(k["decode_attention"] and k["decode_mlp"]))
+                      takes_layer_slices=both, rows=_padded_rows if both else None)
     attention = (functools.partial(k["prefill_attention"], interpret=_interpret()) if k["prefill_attention"]
                  else attention_block)
     mlp = functools.partial(k["prefill_mlp"], interpret=_interpret()) if k["prefill_mlp"] else L.mlp_block

@@ -38,7 +38,6 @@ from flint_jax import layers as L
 from flint_jax.config import FlintConfig
 from flint_jax.pallas_kernels.attention_prologue import (ROWS, check_cache, finish_heads, load_raw_heads, load_rope,
                                                          qkv_projection, rope_cos_sin, rope_tables, store_kv)
-from flint_jax.pallas_kernels.ring_heads import ring_attention_by_head
 from flint_jax.pallas_kernels.weight_tiles import pow2_rows
 from flint_jax.state import FullCache, RingCache
 
@@ -87,9 +86,6 @@ MAX_EXTRA_SLOTS = 4
 # NVFP4 step at 100K, batch 1): ring kernel 6.3 -> 5.6 us, step 2.333 -> 2.309 ms, for one more XLA kernel per step
 # (the table, ~1.1 us; XLA's CSE keeps one for the 35 layers).
 ROPE_TABLE = True
-# Sliding layers by `ring_heads.ring_attention_by_head`: one program per query head over the whole ring, o finished
-# in the kernel (no partials, no `combine`: one launch per layer fewer) instead of the split kernel + `combine`.
-RING_BY_HEAD = False
 # The last-arriving program folds at most this many splits (FOLD_VALUES below per load); more splits (full layers at
 # long contexts: 64 at B = 1) go to the `combine` kernel, which folds them in parallel over (sequence, head)
 # programs: one program folding 128 splits cost 113 us per layer at 100K on the H200 (docs/BENCHMARKS.md).
@@ -349,10 +345,25 @@ def _attn_kernel(*refs, mode, ring, sliding, B, Hq, KV, G, D, window, n_slots, s
                 plgpu.store(o_ref.at[b, fheads, :], (o / denom[:, None]).astype(BF16), mask=fmask)
 
 
-def _combine_kernel(acc_ref, m_ref, l_ref, sink_ref, pos_ref, act_ref, o_ref, *, ring, fused, splits, min_chunk):
+def _combine_kernel(acc_ref, m_ref, l_ref, sink_ref, pos_ref, act_ref, o_ref, *, ring, fused, splits, min_chunk,
+                    batch):
     """splits: the attention kernel's split count; the partials' split axis may be longer (padded to a power of
-    two), and only the first n_active entries are read."""
+    two), and only the first n_active entries are read. Rows of o past `batch` (padding rows) get zeros."""
     b, h = pl.program_id(0), pl.program_id(1)
+    if o_ref.shape[0] > batch:
+        @pl.when(b >= batch)
+        def _():
+            o_ref[b, h, :] = jnp.zeros((o_ref.shape[-1],), BF16)
+
+        pl.when(b < batch)(lambda: _combine_row(acc_ref, m_ref, l_ref, sink_ref, pos_ref, act_ref, o_ref, b, h,
+                                                ring=ring, fused=fused, splits=splits, min_chunk=min_chunk))
+    else:
+        _combine_row(acc_ref, m_ref, l_ref, sink_ref, pos_ref, act_ref, o_ref, b, h, ring=ring, fused=fused,
+                     splits=splits, min_chunk=min_chunk)
+
+
+def _combine_row(acc_ref, m_ref, l_ref, sink_ref, pos_ref, act_ref, o_ref, b, h, *, ring, fused, splits,
+                 min_chunk):
     if ring:
         n_active = splits
     else:
@@ -372,23 +383,28 @@ def _combine_kernel(acc_ref, m_ref, l_ref, sink_ref, pos_ref, act_ref, o_ref, *,
 
 
 def combine(acc, m, l, sinks, positions, active, *, ring: bool, fused: bool, min_chunk: int,
-            interpret: bool = False, splits: int | None = None):
-    """Fold split partials (acc [B, Hq, S, D], running max m and sum l [B, Hq, S]) and the sinks -> o bf16. Only
-    the splits that `split_geometry` says hold data are read. splits: the attention's split count (default S; S
-    may be padded past it to a power of two)."""
+            interpret: bool = False, splits: int | None = None, out_rows: int | None = None):
+    """Fold split partials (acc [B, Hq, S, D], running max m and sum l [B, Hq, S]) and the sinks -> o bf16
+    [out_rows, Hq, D] (default B; rows past B are zeros: the padding rows a decode step carries, model.Blocks.rows).
+    Only the splits that `split_geometry` says hold data are read. splits: the attention's split count (default S;
+    S may be padded past it to a power of two)."""
     B, Hq, S, D = acc.shape
-    kernel = functools.partial(_combine_kernel, ring=ring, fused=fused, splits=splits or S, min_chunk=min_chunk)
+    out_rows = out_rows or B
+    kernel = functools.partial(_combine_kernel, ring=ring, fused=fused, splits=splits or S, min_chunk=min_chunk,
+                               batch=B)
     operands, in_specs = layer_stack.kernel_args([acc, m, l, sinks.astype(F32), positions.astype(jnp.int32),
                                                   active.astype(jnp.int32)])
     return pl.pallas_call(
-        kernel, grid=(B, Hq), out_shape=jax.ShapeDtypeStruct((B, Hq, D), BF16), in_specs=in_specs,
+        kernel, grid=(out_rows, Hq), out_shape=jax.ShapeDtypeStruct((out_rows, Hq, D), BF16), in_specs=in_specs,
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
         name="decode_attention_combine",
     )(*operands)
 
 
-def _attention_call(mode, first_args, cache, positions, active, sinks, cfg, sliding, splits, min_chunk, interpret):
+def _attention_call(mode, first_args, cache, positions, active, sinks, cfg, sliding, splits, min_chunk, interpret,
+                    out_rows=None):
     B = positions.shape[0]
+    out_rows = out_rows or B
     Hq, KV, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     check_cache(cache, cfg, B, sliding, interpret)
     ring = isinstance(cache, RingCache)
@@ -444,8 +460,10 @@ def _attention_call(mode, first_args, cache, positions, active, sinks, cfg, slid
         o, rest = outs[0], outs[5:]
     else:
         o = combine(*outs[:3], sinks, positions, active, ring=ring, fused=mode == "fused", min_chunk=min_chunk,
-                    interpret=interpret, splits=splits)
+                    interpret=interpret, splits=splits, out_rows=out_rows)
         rest = outs[3:]
+    if o.shape[0] < out_rows:  # o written by the attention kernel itself: pad to the caller's rows
+        o = jnp.pad(o, ((0, out_rows - o.shape[0]), (0, 0), (0, 0)))
     if mode != "fused":
         return o, cache
     rest = [layer_stack.like(r, x) for r, x in zip(rest, cache_in)]
@@ -472,12 +490,11 @@ def fused_decode_attention(qkv: jax.Array, attn, cache, positions: jax.Array, ac
                            sliding: bool, splits: int | None = None, min_chunk: int | None = None,
                            interpret: bool = False):
     """From the raw projection qkv [B, Hq+2KV, D] (`qkv_projection`): finish Q/K, write K/V, attend.
-    Returns (o [B, Hq, D] bf16, new cache)."""
-    if sliding and RING_BY_HEAD and splits is None and isinstance(cache, RingCache):
-        return ring_attention_by_head(qkv, attn, cache, positions, active, cfg, interpret=interpret)
+    qkv may carry padding rows past B = len(positions) (model.Blocks.rows): o then has them too, as zeros.
+    Returns (o [rows of qkv, Hq, D] bf16, new cache)."""
     rope = rope_cos_sin(positions, cfg) if sliding and ROPE_TABLE else rope_tables(cfg)
     return _attention_call("fused", [qkv, attn.q_norm, attn.k_norm, rope], cache, positions, active,
-                           attn.sinks, cfg, sliding, splits, min_chunk, interpret)
+                           attn.sinks, cfg, sliding, splits, min_chunk, interpret, out_rows=qkv.shape[0])
 
 
 def output_projection(o: jax.Array, w, h: jax.Array, interpret: bool = False) -> jax.Array:
@@ -493,7 +510,9 @@ def attention_block_decode(h: jax.Array, layer, cache, positions: jax.Array, act
                            sliding: bool, splits: int | None = None, min_chunk: int | None = None,
                            interpret: bool = False):
     """`model.attention_block` for T = 1: h [B, H] bf16, positions [B] (= the sequence lengths before this token),
-    active [B] bool. Returns (h + Wo(attention(rmsnorm(h))) [B, H] bf16, new cache)."""
+    active [B] bool. Returns (h + Wo(attention(rmsnorm(h))) [B, H] bf16, new cache). h may carry padding rows past
+    B (model.Blocks.rows): they pass through every kernel without a pad or a slice (their attention output is zero,
+    their result meaningless)."""
     B = h.shape[0]
     qkv = qkv_projection(h, layer.attn_norm, layer.attn, cfg, interpret=interpret)
     o, cache = fused_decode_attention(qkv, layer.attn, cache, positions, active, cfg, sliding, splits, min_chunk,

@@ -68,10 +68,12 @@ ROUTE_IN_ROUTER = False
 # The same ids and weights bit for bit (the same rounds in the same order; test_kernels_moe). Measured in the step
 # on the H200 (scripts/profile_decode.py, 8K, device time; docs/BENCHMARKS.md runs DU-DY): batch 4 gate/up 23.6 ->
 # 18.8 us per layer plus 3.5 us for the top-k kernel, step 3.647 -> 3.573 ms; batch 8 gate/up 42.7 -> 34.0 us plus
-# 5.3, step 5.672 -> 5.519 ms. Batch 2 with a one-warp top-k kernel was slower (2.558 -> 2.598 ms; 4 warps not timed
-# there), so it starts at 4 tokens. One warp at batch 4 took 7.9 us against 3.5 with 4 (TOPK_SLOTS_WARPS); one
-# program per token 2.7 us (router.TOPK_SLOTS_ROWS, run DY: step 3.512 ms).
-TOPK_KERNEL_MIN_ROWS: int | None = 4
+# 5.3, step 5.672 -> 5.519 ms. One warp at batch 4 took 7.9 us against 3.5 with 4 (TOPK_SLOTS_WARPS); one
+# program per token 2.7 us (router.TOPK_SLOTS_ROWS, run DY: step 3.512 ms). From 2 tokens since runs DZ-EB (one
+# program per token): batch 2 gate/up 14.3 -> 11.4 us plus 2.7, step 2.554 -> 2.530 ms (2.563 -> 2.542 in a second
+# run); batch 3 3.690 -> 3.650 ms. At one token it loses (run EA, 100K: gate/up 8.5 -> 7.2 us plus 2.7, step
+# 2.309 -> 2.362 ms), so a single token keeps the per-program top-k.
+TOPK_KERNEL_MIN_ROWS: int | None = 2
 # Blocks of at most moe_persistent.PERSISTENT_MAX_ROWS tokens as one persistent kernel (router, gate/up and down
 # phases behind grid barriers, moe_persistent.py) instead of the three kernels below. Off: measured in the whole
 # step on the H200 (NVFP4, 100K, B = 1) it took 28.2 us per layer (29.2 with load polling) against 18.4 us for the

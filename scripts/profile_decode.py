@@ -47,7 +47,6 @@ def _variants():
     from flint_jax.pallas_kernels import grid_sync as GS
     from flint_jax.pallas_kernels import moe_experts as ME
     from flint_jax.pallas_kernels import moe_persistent as MP
-    from flint_jax.pallas_kernels import ring_heads as RH
     from flint_jax import pallas_path as PP
     from flint_jax.pallas_kernels import router as RT
     from flint_jax.pallas_kernels import weight_tiles as WT
@@ -55,14 +54,6 @@ def _variants():
         "base": [],
         "prefetch": [(G, "TABLE_PREFETCH", True), (ME, "GATE_UP_BLOCK", (8, 512, 4, 3, False, True))],
         "prefetch_gemv": [(G, "TABLE_PREFETCH", True)],  # QKV / O / dense only (run A: gate/up got slower)
-        # sliding layers: one program per query head over the whole ring, no partials and no `combine`
-        "ring_by_head": [(DA, "RING_BY_HEAD", True)],
-        "ring_by_head_w8": [(DA, "RING_BY_HEAD", True), (RH, "RING_HEAD_WARPS", 8)],
-        "ring_by_head_w2": [(DA, "RING_BY_HEAD", True), (RH, "RING_HEAD_WARPS", 2)],
-        "ring_by_head_bk32": [(DA, "RING_BY_HEAD", True), (RH, "RING_HEAD_BLOCK_K", 32)],
-        "ring_by_head_bk128": [(DA, "RING_BY_HEAD", True), (RH, "RING_HEAD_BLOCK_K", 128)],
-        "ring_by_head_s2": [(DA, "RING_BY_HEAD", True), (RH, "RING_HEAD_STAGES", 2)],
-        "ring_by_head_s4": [(DA, "RING_BY_HEAD", True), (RH, "RING_HEAD_STAGES", 4)],
         "ring_splits16": [(DA, "RING_SPLITS", 16)],  # one 64-key block per split, 9 of 16 splits hold keys
         "bk1024": [(G, "TABLE_BK", 1024), (ME, "GATE_UP_BLOCK", (8, 1024, 4, 3))],  # now the table for K < 4096
         "moe_bn16": [(ME, "GATE_UP_BLOCK", (16, 512, 4, 3)), (ME, "DOWN_BLOCK", (16, 512, 4, 1))],
@@ -89,6 +80,7 @@ def _variants():
         "topk_kernel": [(ME, "TOPK_KERNEL_MIN_ROWS", 1)],  # the top-k in a kernel of its own at every batch
         "topk_in_programs": [(ME, "TOPK_KERNEL_MIN_ROWS", None)],  # every routed gate/up program's own top-k
         "topk_w1": [(RT, "TOPK_SLOTS_WARPS", 1)],  # the top-k kernel on one warp (no cross-warp reductions)
+        "topk_w2": [(RT, "TOPK_SLOTS_WARPS", 2)],
         "topk_w8": [(RT, "TOPK_SLOTS_WARPS", 8)],
         "topk_rows1": [(RT, "TOPK_SLOTS_ROWS", 1)],  # one program per token
         "down_many4": [(ME, "DOWN_MANY_ROWS", 4)],  # DOWN_BLOCK_MANY from 4 tokens on

@@ -43,6 +43,31 @@ def test_pallas_decode_matches_the_reference(weights, tiny_cfg, tiny_params, tin
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=tol * float(jnp.abs(ref).max()), rtol=0)
 
 
+def test_odd_batch_carries_padding_rows_through_the_step(tiny_cfg, tiny_params):
+    """Three sequences: the decode kernels take 1, 2, 4 or 8 rows, so the step pads h to 4 rows once and slices it
+    once (model.Blocks.rows) instead of every kernel padding its input and slicing its output. The logits match the
+    reference with rows at different positions, one of them idle for a step; and the lowered step has no more pad
+    or slice ops than a batch of 4 plus that one pad and slice."""
+    cfg = tiny_cfg
+    n_prompt, n_decode = 4, 3  # positions up to 7: the window-5 ring wraps
+    toks = jax.random.randint(jax.random.key(2), (3, n_prompt + n_decode), 0, cfg.vocab_size)
+    ref = M.forward(tiny_params, toks, cfg)[:, n_prompt:]
+    state = init_state(cfg, 3, 16)
+    _, state = step(tiny_params, state, toks[:, :n_prompt], jnp.array([n_prompt, n_prompt - 1, n_prompt]), cfg)
+    _, state = step(tiny_params, state, toks[:, n_prompt - 1:n_prompt], jnp.array([0, 1, 0]), cfg, impl="pallas")
+    outs = []
+    for i in range(n_prompt, n_prompt + n_decode):
+        h, state = step(tiny_params, state, toks[:, i:i + 1], jnp.ones((3,), jnp.int32), cfg, impl="pallas")
+        assert h.shape == (3, 1, cfg.hidden_size)
+        outs.append(M.lm_logits(tiny_params, h, cfg))
+    got = jnp.concatenate(outs, axis=1)
+    tol = 1e-3 if jax.default_backend() == "cpu" else 0.05  # as test_pallas_decode_matches_the_reference
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=tol * float(jnp.abs(ref).max()), rtol=0)
+    three, four = (pallas_path.kernel_census(cfg, "bf16", batch=b, max_len=64)["other_by_op"] for b in (3, 4))
+    for op in ("pad", "slice"):
+        assert three.get(op, 0) <= four.get(op, 0) + 1, (op, three, four)
+
+
 def test_decode_step_lowers_for_the_gpu_with_the_planned_kernels(tiny_cfg):
     """The whole decode step lowers to Triton kernels for CUDA (no GPU needed), one launch per fused block:
     per layer QKV + attention + output projection, + a combine kernel on full layers split more ways than the
