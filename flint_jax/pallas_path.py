@@ -76,8 +76,8 @@ def kernel_census(cfg, weights: str = "nvfp4", batch: int = 1, impl: str = "pall
                   stacked_params: bool = False, stacked_caches: bool = False) -> dict:
     """What one decode step launches on a GPU, found without one: the step is lowered for CUDA (abstract parameters,
     nothing allocated; the layers' parameters stacked with `stacked_params` (layer_stack), the caches with
-    `stacked_caches` (state.StackedCaches)). Returns {"pallas_kernels": n,
-    "by_kernel": {name: n}, "other_hlo_ops": n, "other_by_op": {op: n}, "argument_buffers": n}; the other ops are XLA glue that the device
+    `stacked_caches` (state.StackedCaches)). Returns {"pallas_kernels": n, "by_kernel": {name: n},
+    "other_hlo_ops": n, "other_by_op": {op: n}, "argument_buffers": n}; the other ops are XLA glue that the device
     compiler fuses into an unknown (smaller) number of kernels; the argument buffers are what the host hands over
     per call (parameters and state)."""
     import collections
@@ -205,8 +205,8 @@ def sample_top_k(logits, keys, temperature, top_k, top_p):
 def _padded_rows(batch: int) -> int:
     """The decode kernels take 1, 2, 4 or 8 rows: at 3 or 5-7 sequences h carries padding rows through the whole
     step (model.run_layers pads it once), so no kernel pads its input or slices its output. Measured on the H200
-    before (scripts/profile_decode.py, batch 3 at 8K, docs/BENCHMARKS.md runs DZ-EB): ~330 pad and copy kernels per
-    step, ~370 us of a 3.65 ms step, slower than batch 4."""
+    (scripts/profile_decode.py, batch 3 at 8K, docs/BENCHMARKS.md runs EB-EC): before, ~340 pad and copy kernels
+    per step, ~370 us of a 3.65 ms step, slower than batch 4; with the padding rows 3.44 ms."""
     from flint_jax.pallas_kernels.weight_tiles import pow2_rows
     return pow2_rows(batch)
 

@@ -350,16 +350,19 @@ def _combine_kernel(acc_ref, m_ref, l_ref, sink_ref, pos_ref, act_ref, o_ref, *,
     """splits: the attention kernel's split count; the partials' split axis may be longer (padded to a power of
     two), and only the first n_active entries are read. Rows of o past `batch` (padding rows) get zeros."""
     b, h = pl.program_id(0), pl.program_id(1)
-    if o_ref.shape[0] > batch:
-        @pl.when(b >= batch)
-        def _():
-            o_ref[b, h, :] = jnp.zeros((o_ref.shape[-1],), BF16)
 
-        pl.when(b < batch)(lambda: _combine_row(acc_ref, m_ref, l_ref, sink_ref, pos_ref, act_ref, o_ref, b, h,
-                                                ring=ring, fused=fused, splits=splits, min_chunk=min_chunk))
-    else:
+    def row():
         _combine_row(acc_ref, m_ref, l_ref, sink_ref, pos_ref, act_ref, o_ref, b, h, ring=ring, fused=fused,
                      splits=splits, min_chunk=min_chunk)
+
+    if o_ref.shape[0] == batch:
+        row()
+        return
+    pl.when(b < batch)(row)
+
+    @pl.when(b >= batch)
+    def _():
+        o_ref[b, h, :] = jnp.zeros((o_ref.shape[-1],), BF16)
 
 
 def _combine_row(acc_ref, m_ref, l_ref, sink_ref, pos_ref, act_ref, o_ref, b, h, *, ring, fused, splits,
