@@ -251,3 +251,16 @@ def test_probe_kernel_floor_smoke(tmp_path):
     run_script("probe_kernel_floor.py", "--smoke", "--out", str(tmp_path))
     rows = json.loads((tmp_path / "probe_kernel_floor.json").read_text())["rows"]
     assert len(rows) == 2 and all(r["result_ok"] for r in rows)
+
+
+def test_probe_lanes_tiny(tmp_path):
+    """The lanes probe's CPU mode: two batch-1 lanes started from the rows of a batch-2 state compute the batch-2
+    step's hidden states (other tile sums at most); an unknown variant is refused with exit status 2."""
+    run_script("probe_lanes.py", "--tiny", "--out", str(tmp_path), "--variants", "b2,lanes2", "--steps", "2")
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "lanes.json").read_text())["runs"]}
+    assert rows["b2"]["sequences"] == rows["lanes2"]["sequences"] == 2
+    assert rows["lanes2"]["max_abs_diff_vs_batched"] <= 0.02 * rows["lanes2"]["batched_max_abs"]
+    assert rows["lanes2"]["batched_max_abs"] > 0 and rows["lanes2"]["wall_ms"] > 0
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "probe_lanes.py"), "--tiny", "--out",
+                        str(tmp_path), "--variants", "b2,lanes9"], capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == 2 and "unknown variants ['lanes9']" in p.stderr
