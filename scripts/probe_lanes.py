@@ -61,9 +61,8 @@ def lanes_step(cfg: FlintConfig, impl: str, streams: bool = False):
         for i, state in enumerate(states):
             run = lane
             if streams and i:
-                from jax._src import core
                 from jax.experimental.compute_on import compute_on
-                run = compute_on(lane, compute_type=f"gpu_stream:{i}", out_memory_spaces=core.MemorySpace.Device)
+                run = compute_on(lane, compute_type=f"gpu_stream:{i}", out_memory_spaces=jax.memory.Space.Device)
             h, state = run(params, state, tokens[i:i + 1], lengths[i:i + 1])
             hs.append(h)
             out.append(state)
@@ -87,20 +86,21 @@ def main(argv=None) -> int:
     mode = os.environ.get("XLA_FLAGS", "")
     report = {"device": jax.devices()[0].device_kind, "context": context, "xla_flags": mode, "runs": []}
     variants = args.variants.split(",")
-    bad = [v for v in variants if not re.fullmatch(r"(b|lanes|slanes)[1-8]", v)]
+    parsed = {v: re.fullmatch(r"(b|lanes|slanes)([1-8])", v) for v in variants}
+    bad = [v for v, m in parsed.items() if m is None]
     if bad:
         ap.error(f"unknown variants {bad}: b<N>, lanes<N> or slanes<N> with N in 1..8")
     params = init_params(cfg, jax.random.key(1), args.weights)
     jax.block_until_ready(params)
     batched = {}  # N -> the b<N> step's hidden states, to check the lanes against
     for v in variants:
-        n = int(v.lstrip("bdelans"))
+        kind, n = parsed[v].group(1), int(parsed[v].group(2))
         # the lanes get the rows of the same batched state, so every variant with N sequences computes the same
         state = random_state(cfg, n, context + 8, context, jax.random.key(2))
-        if v.startswith("b"):
+        if kind == "b":
             step = make_steps(cfg, args.impl)[0]
         else:
-            step = lanes_step(cfg, args.impl, streams=v.startswith("s"))
+            step = lanes_step(cfg, args.impl, streams=kind == "slanes")
             state = tuple(jax.tree.map(lambda a, i=i: a[i:i + 1], state) for i in range(n))
         tokens = jnp.arange(n, dtype=jnp.int32) + 7
         lengths = jnp.full((n,), context, jnp.int32)
@@ -111,7 +111,7 @@ def main(argv=None) -> int:
         h, state = compiled(params, state, tokens, lengths)  # every call restarts at `context`: the same h each time
         h = np.asarray(h, np.float32)
         check = {}
-        if v.startswith("b"):
+        if kind == "b":
             batched[n] = h
         elif n in batched:  # batch-1 kernels against batch-n ones: the same math, other tile sums
             check = {"max_abs_diff_vs_batched": float(np.abs(h - batched[n]).max()),

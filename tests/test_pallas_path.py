@@ -44,9 +44,9 @@ def test_pallas_decode_matches_the_reference(weights, tiny_cfg, tiny_params, tin
 
 
 def _decode(params, cfg, toks, n_prompt):
-    """(hidden states, logits) of toks[:, n_prompt:] decoded one token per step by impl="pallas" after a reference
+    """Hidden states [B, T, H] of toks[:, n_prompt:] decoded one token per step by impl="pallas" after a reference
     prefill; odd rows start one token behind and catch up in a step where the even rows idle, so rows sit at
-    different positions."""
+    different positions. (scripts/diag_routing_flips.py runs the same decode.)"""
     batch = toks.shape[0]
     behind = jnp.arange(batch) % 2
     state = init_state(cfg, batch, 16)
@@ -57,8 +57,7 @@ def _decode(params, cfg, toks, n_prompt):
         h, state = step(params, state, toks[:, i:i + 1], jnp.ones((batch,), jnp.int32), cfg, impl="pallas")
         assert h.shape == (batch, 1, cfg.hidden_size)
         hs.append(h)
-    hs = jnp.concatenate(hs, axis=1)
-    return hs, M.lm_logits(params, hs, cfg)
+    return jnp.concatenate(hs, axis=1)
 
 
 @pytest.mark.parametrize("batch", [3, 5])
@@ -73,15 +72,17 @@ def test_odd_batch_carries_padding_rows_through_the_step(batch, tiny_cfg, tiny_p
       up to 4.3, the same in a batch of 8), so 8-row batches take the compiled tolerance. Compiled at 8 rows (H200,
       2026-12-03, runs EG-EI) two (row, step) of the 15 missed, by 0.68 and 0.51, the others within 0.062: routing
       flips, which this tiny MoE makes from rounding noise alone (the reference itself, with one BF16 ulp added to
-      an eighth of the embedding entries, moved the second of them by 0.53 and the others by up to 0.05). So there
+      an eighth of the embedding entries, moved the second of them by 0.53 and the others by up to 0.057:
+      `python scripts/diag_routing_flips.py`, which also gives the CPU's 0.019). So there
       two may miss (a row gone wrong misses at its three steps).
     - The lowered step has no more pad or slice ops than the padded batch plus that one pad and slice."""
     cfg = tiny_cfg
     n_prompt, n_decode = 4, 3  # positions up to 7: the window-5 ring wraps
     padded = 1 << (batch - 1).bit_length()
     toks = jax.random.randint(jax.random.key(2), (padded, n_prompt + n_decode), 0, cfg.vocab_size)
-    hs, got = _decode(tiny_params, cfg, toks[:batch], n_prompt)
-    assert np.array_equal(np.asarray(hs), np.asarray(_decode(tiny_params, cfg, toks, n_prompt)[0][:batch]))
+    hs = _decode(tiny_params, cfg, toks[:batch], n_prompt)
+    assert np.array_equal(np.asarray(hs), np.asarray(_decode(tiny_params, cfg, toks, n_prompt)[:batch]))
+    got = M.lm_logits(tiny_params, hs, cfg)
     ref = M.forward(tiny_params, toks[:batch], cfg)[:, n_prompt:]
     compiled = jax.default_backend() != "cpu"
     tol = 1e-3 if not compiled and padded <= 4 else 0.05  # as test_pallas_decode_matches_the_reference
