@@ -77,7 +77,7 @@ def run(args) -> int:
     impl = resolve_impl(args)
     engine = Engine(rt.cfg, engine_params(rt, impl), max_batch=1, max_len=resolve_max_len(args, rt),
                     impl=impl, steps_per_dispatch=args.steps_per_dispatch,
-                    chunk_size=args.prefill_chunk,
+                    chunk_size=args.prefill_chunk, kv_dtype=args.kv_dtype,
                     tokenizer=rt.tokenizer, chat_template=rt.chat_template)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     if args.message is not None:

@@ -36,6 +36,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "dispatched while the previous one runs; on the H200 (Flint, Pallas, batch 1, 100K prompt) "
                         "4 steps ran at 2.448 ms/token against 2.500 at 1 (docs/BENCHMARKS.md runs DJ, DM), for a "
                         "longer compile of the unrolled steps (default: 1)")
+    p.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16",
+                   help="element type of the full-context layers' KV caches: bf16 (the model's own numerics) or "
+                        "fp8 (E4M3, saturating, no scale: half the cache memory and half the bytes a long-context "
+                        "decode step reads; the sliding layers stay bf16) (default: bf16)")
     p.add_argument("--prefill-chunk", type=int, default=256,
                    help="prompt tokens per prefill call (one compiled program per size); on a GPU with long "
                         "prompts use thousands, e.g. 8192 (default: 256)")
@@ -98,7 +102,8 @@ def run_generate(args) -> int:
                               max_tokens=args.max_tokens, seed=args.seed, stop_token_ids=rt.stop_token_ids)
     impl = resolve_impl(args)
     engine = Engine(rt.cfg, engine_params(rt, impl), max_batch=1, max_len=resolve_max_len(args, rt),
-                    impl=impl, steps_per_dispatch=args.steps_per_dispatch, chunk_size=args.prefill_chunk)
+                    impl=impl, steps_per_dispatch=args.steps_per_dispatch, chunk_size=args.prefill_chunk,
+                    kv_dtype=args.kv_dtype)
     decoder = IncrementalDecoder(rt.tokenizer)
     sys.stdout.write(args.prompt if not args.chat else "")
     t0 = time.perf_counter()

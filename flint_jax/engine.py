@@ -203,13 +203,16 @@ class Engine:
     tokenizer / chat_template: needed only by `chat` (a FlintTokenizer; a GGUF's template, else the project's).
     prefill_cuts: layer indices where each prefill chunk is cut into separately dispatched programs, so the host's
     dispatch overlaps the device's work (flint_jax.prefill_pipeline; () runs each chunk as one program).
+    kv_dtype: the full-context layers' KV cache element type, "bf16" (default, the model's own numerics) or "fp8"
+    (E4M3, no scale, saturating: half the memory and half the bytes a long-context step reads; state.KV_DTYPES).
+    The sliding layers' rings stay BF16.
     """
 
     def __init__(self, cfg: FlintConfig, params: Params, *, max_batch: int = MAX_BATCH, max_len: int = 2048,
                  chunk_size: int = 256, impl: str = "xla", steps_per_dispatch: int = 1,
                  overlap_dispatch: bool = True, stacked_caches: bool | None = None,
                  tokenizer=None, chat_template: str | None = None,
-                 prefill_cuts: Sequence[int] = prefill_pipeline.DEFAULT_CUTS):
+                 prefill_cuts: Sequence[int] = prefill_pipeline.DEFAULT_CUTS, kv_dtype: str = "bf16"):
         if not 1 <= max_batch <= MAX_BATCH:
             raise ValueError(f"max_batch must be in [1, {MAX_BATCH}] (the low-latency path serves at most "
                              f"{MAX_BATCH} concurrent requests), got {max_batch}")
@@ -228,7 +231,8 @@ class Engine:
         self.prefill_cuts = tuple(prefill_cuts)
         if stacked_caches is None:
             stacked_caches = impl == "pallas"
-        self.state = init_state(cfg, max_batch, max_len, stacked=bool(stacked_caches))
+        self.kv_dtype = kv_dtype
+        self.state = init_state(cfg, max_batch, max_len, stacked=bool(stacked_caches), kv_dtype=kv_dtype)
         self.keys = jax.random.split(jax.random.key(0), max_batch)  # [B] each slot's request key, set at its start
         self.tokenizer, self.chat_template = tokenizer, chat_template
         if impl == "pallas":

@@ -84,11 +84,12 @@ def attention_mask(q_pos: jax.Array, k_pos: jax.Array, window: int | None) -> ja
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, sinks: jax.Array) -> jax.Array:
     """Softmax attention with a learned sink logit per query head (the sink takes probability, gives no value).
-    q [B, T, Hq, D], k/v [B, KV, S, D] (cache layout), mask [B, T, S], sinks [Hq] -> o [B, T, Hq, D] BF16.
+    q [B, T, Hq, D], k/v [B, KV, S, D] (cache layout; BF16 or FP8), mask [B, T, S], sinks [Hq] -> o [B, T, Hq, D] BF16.
     Query head j reads KV head j // (Hq / KV). Scores, softmax and the value sum are FP32."""
     B, T, Hq, D = q.shape
     KV = k.shape[1]
     qg = q.reshape(B, T, KV, Hq // KV, D)
+    k = k.astype(q.dtype)  # an FP8 cache (state.KV_DTYPES): exact in BF16
     s = jnp.einsum("btgjd,bgsd->bgjts", qg, k, preferred_element_type=F32) / math.sqrt(D)
     s = jnp.where(mask[:, None, None], s, -jnp.inf)  # [B, KV, G, T, S]
     sink = sinks.astype(F32).reshape(1, KV, Hq // KV, 1)

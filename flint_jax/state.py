@@ -18,6 +18,39 @@ from flint_jax.config import FlintConfig
 
 MAX_BATCH = 8
 
+# The full-context layers' caches may hold K/V in FP8 (E4M3, the `kv_dtype="fp8"` option): half the bytes that a
+# long-context decode step streams, and half the memory. Values are the BF16 K/V rounded to nearest (even) with no
+# scale, saturating at +-448 (E4M3's largest finite value: a plain cast would make NaN). K is RMS-normed per head, so
+# its values sit far inside that range; V is not normed. The sliding layers' rings stay BF16: 1 MB per layer, read
+# by latency-bound kernels. BF16 (the default) keeps the model's own numerics.
+KV_DTYPES = {"bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn}
+FP8_MAX = 448.0
+
+
+def kv_dtype_of(name) -> jnp.dtype:
+    """'bf16' / 'fp8' (or the dtype itself) -> the full caches' element dtype."""
+    for key, dtype in KV_DTYPES.items():
+        if isinstance(name, str):
+            if name == key:
+                return jnp.dtype(dtype)
+        elif isinstance(name, (type, np.dtype)) and np.dtype(name) == jnp.dtype(dtype):
+            return jnp.dtype(dtype)
+    raise ValueError(f"kv_dtype must be one of {sorted(KV_DTYPES)}, got {name!r}")
+
+
+def to_cache_values(x: jax.Array, dtype) -> jax.Array:
+    """K/V values as a cache of `dtype` holds them: BF16 as is; FP8 rounded to nearest even, saturating at
+    +-FP8_MAX. The kernels (attention_prologue.store_kv) use this very function, so both paths round alike."""
+    if jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16):
+        return x.astype(jnp.bfloat16)
+    x = x.astype(jnp.float32)  # exact from BF16; one rounding below
+    return jnp.minimum(jnp.maximum(x, -FP8_MAX), FP8_MAX).astype(dtype)
+
+
+def through_cache(x: jax.Array, dtype) -> jax.Array:
+    """BF16 values of x as a cache of `dtype` gives them back (exact: every FP8 value is a BF16 value)."""
+    return to_cache_values(x, dtype).astype(jnp.bfloat16)
+
 
 def _pytree(cls):
     return jax.tree_util.register_dataclass(dataclasses.dataclass(frozen=True)(cls))
@@ -116,8 +149,10 @@ class KVState:
         return full[0].k.shape[2] if full else 0
 
 
-def init_state(cfg: FlintConfig, batch: int, max_len: int, stacked: bool = False) -> KVState:
-    """An empty state for `batch` sequences of up to `max_len` tokens; `stacked`: the caches as StackedCaches."""
+def init_state(cfg: FlintConfig, batch: int, max_len: int, stacked: bool = False, kv_dtype="bf16") -> KVState:
+    """An empty state for `batch` sequences of up to `max_len` tokens; `stacked`: the caches as StackedCaches;
+    kv_dtype: the full caches' element type ('bf16' or 'fp8', see KV_DTYPES)."""
+    full_dtype = kv_dtype_of(kv_dtype)
     if not 1 <= batch <= MAX_BATCH:
         raise ValueError(f"batch must be in [1, {MAX_BATCH}], got {batch}")
     if not 1 <= max_len <= cfg.max_position_embeddings:
@@ -131,23 +166,24 @@ def init_state(cfg: FlintConfig, batch: int, max_len: int, stacked: bool = False
                                     v=jnp.zeros((batch, KV, W, D), jnp.bfloat16),
                                     pos=jnp.full((batch, W), -1, jnp.int32)))
         else:
-            layers.append(FullCache(k=jnp.zeros((batch, KV, max_len, D), jnp.bfloat16),
-                                    v=jnp.zeros((batch, KV, max_len, D), jnp.bfloat16)))
+            layers.append(FullCache(k=jnp.zeros((batch, KV, max_len, D), full_dtype),
+                                    v=jnp.zeros((batch, KV, max_len, D), full_dtype)))
     return KVState(layers=stack_caches(layers) if stacked else tuple(layers), lengths=jnp.zeros((batch,), jnp.int32))
 
 
-def state_bytes(cfg: FlintConfig, batch: int, context: int) -> int:
+def state_bytes(cfg: FlintConfig, batch: int, context: int, kv_dtype="bf16") -> int:
     """Bytes of KV state for `batch` sequences with full caches of `context` tokens."""
     per_tok = 2 * cfg.num_key_value_heads * cfg.head_dim * 2  # K and V, BF16
-    full = len(cfg.full_layers) * context * per_tok
+    full = len(cfg.full_layers) * context * per_tok * kv_dtype_of(kv_dtype).itemsize // 2
     ring = len(cfg.sliding_layers) * cfg.sliding_window * (per_tok + 4)
     return batch * (full + ring) + 4 * batch
 
 
-def kv_bytes_read(cfg: FlintConfig, context: int) -> int:
+def kv_bytes_read(cfg: FlintConfig, context: int, kv_dtype="bf16") -> int:
     """Bytes of K/V a decode step reads for one sequence at `context` tokens (rings hold at most a window)."""
     per_tok = 2 * cfg.num_key_value_heads * cfg.head_dim * 2
-    return per_tok * (len(cfg.full_layers) * context + len(cfg.sliding_layers) * min(context, cfg.sliding_window))
+    full = per_tok * kv_dtype_of(kv_dtype).itemsize // 2
+    return full * len(cfg.full_layers) * context + per_tok * len(cfg.sliding_layers) * min(context, cfg.sliding_window)
 
 
 def reset_slots(state: KVState, slots: jax.Array, layer_range: tuple[int, int] | None = None) -> KVState:
@@ -188,4 +224,5 @@ def write_full(cache: FullCache, k: jax.Array, v: jax.Array, positions: jax.Arra
     S = cache.k.shape[2]
     idx = jnp.where(valid, positions, S)
     b = jnp.arange(k.shape[0])[:, None]
+    k, v = to_cache_values(k, cache.k.dtype), to_cache_values(v, cache.v.dtype)
     return FullCache(k=cache.k.at[b, :, idx].set(k, mode="drop"), v=cache.v.at[b, :, idx].set(v, mode="drop"))

@@ -32,7 +32,7 @@ from flint_jax import layers as L
 from flint_jax.config import FlintConfig
 from flint_jax.pallas_kernels import gemv as G
 from flint_jax.pallas_kernels import weight_tiles as wt
-from flint_jax.state import FullCache, RingCache, write_full, write_ring
+from flint_jax.state import FullCache, RingCache, kv_dtype_of, to_cache_values, write_full, write_ring
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 
@@ -201,12 +201,13 @@ def load_raw_heads(qkv_ref, b, kv, *, Hq: int, KV: int, G: int, D: int):
 
 
 def store_kv(k1, k2, v, k_out, v_out, pos_out, b, kv, p, *, ring: bool, window: int):
-    """Write one token's K (halves [1, D/2]) and V [D] at position p into the cache (ring slot p % W)."""
+    """Write one token's K (halves [1, D/2]) and V [D] at position p into the cache (ring slot p % W), rounded to
+    the cache's dtype as state.write_full rounds them (an FP8 full cache)."""
     dh = k1.shape[-1]
     slot = jax.lax.rem(p, window) if ring else p
-    k_out[b, kv, pl.ds(slot, 1), pl.ds(0, dh)] = k1
-    k_out[b, kv, pl.ds(slot, 1), pl.ds(dh, dh)] = k2
-    v_out[b, kv, slot, :] = v
+    k_out[b, kv, pl.ds(slot, 1), pl.ds(0, dh)] = to_cache_values(k1, k_out.dtype)
+    k_out[b, kv, pl.ds(slot, 1), pl.ds(dh, dh)] = to_cache_values(k2, k_out.dtype)
+    v_out[b, kv, slot, :] = to_cache_values(v, v_out.dtype)
     if ring:
         @pl.when(kv == 0)
         def _():
@@ -242,6 +243,11 @@ def check_cache(cache, cfg: FlintConfig, B: int, sliding: bool, interpret: bool 
         raise ValueError(f"sliding={sliding} but the cache is a {type(cache).__name__}")
     if cache.k.shape[:2] != (B, KV) or cache.k.shape[3] != D or cache.v.shape != cache.k.shape:
         raise ValueError(f"cache k/v shape {cache.k.shape}/{cache.v.shape} does not fit batch {B}, KV {KV}, D {D}")
+    if cache.k.dtype != cache.v.dtype:
+        raise ValueError(f"cache k is {cache.k.dtype} but v is {cache.v.dtype}")
+    if sliding and cache.k.dtype != jnp.bfloat16:
+        raise ValueError(f"ring caches hold BF16 K/V, got {cache.k.dtype} (kv_dtype applies to full layers only)")
+    kv_dtype_of(cache.k.dtype)  # BF16 or FP8, else a ValueError that names the choices
     if sliding and cache.k.shape[2] != cfg.sliding_window:
         raise ValueError(f"ring has {cache.k.shape[2]} slots, sliding_window is {cfg.sliding_window}")
     if D % 2:

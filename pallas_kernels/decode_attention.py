@@ -39,7 +39,7 @@ from flint_jax.config import FlintConfig
 from flint_jax.pallas_kernels.attention_prologue import (ROWS, check_cache, finish_heads, load_raw_heads, load_rope,
                                                          qkv_projection, rope_cos_sin, rope_tables, store_kv)
 from flint_jax.pallas_kernels.weight_tiles import pow2_rows
-from flint_jax.state import FullCache, RingCache
+from flint_jax.state import FullCache, RingCache, through_cache
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 NEG_INF = float("-inf")
@@ -99,6 +99,11 @@ def _as_vector(cond, n: int):
     """A scalar condition as an [n] bool vector: the Triton lowering wants masks and selects of the operand's
     shape."""
     return (jnp.zeros((n,), jnp.int32) + cond.astype(jnp.int32)) > 0
+
+
+def _bf16(x):
+    """Keys/values of an FP8 full cache as BF16 (exact) for the tensor-core dots; BF16 tiles as they are."""
+    return x if x.dtype == BF16 else x.astype(BF16)
 
 
 def _load_ring_row(k_ref, v_ref, kpos_ref, b, kv, slot: int, read, dh: int, D: int):
@@ -198,6 +203,8 @@ def _attn_kernel(*refs, mode, ring, sliding, B, Hq, KV, G, D, window, n_slots, s
         q1, q2, k1, k2, v_new = load_raw_heads(qkv_ref, b, kv, Hq=Hq, KV=KV, G=G, D=D)
         q1, q2 = finish_heads(q1, q2, qn_ref, rope, pos, eps=eps, sliding=sliding)
         k1, k2 = finish_heads(k1, k2, kn_ref, rope, pos, eps=eps, sliding=sliding)
+        if k_ref.dtype != BF16:  # an FP8 cache: the new token attends with the values the cache will hold
+            k1, k2, v_new = (through_cache(x, k_ref.dtype) for x in (k1, k2, v_new))
     else:
         q1 = plgpu.load(q_ref.at[b, pl.ds(kv * G, ROWS), pl.ds(0, dh)], mask=gmask, other=0)
         q2 = plgpu.load(q_ref.at[b, pl.ds(kv * G, ROWS), pl.ds(dh, dh)], mask=gmask, other=0)
@@ -273,10 +280,11 @@ def _attn_kernel(*refs, mode, ring, sliding, B, Hq, KV, G, D, window, n_slots, s
         def body(i, carry):
             t0 = lo + i * BLOCK_K
             rmask = ((t0 + idx0) < n_slots)[:, None]
-            kb1 = plgpu.load(k_ref.at[b, kv, pl.ds(t0, BLOCK_K), pl.ds(0, dh)], mask=rmask, other=0)
-            kb2 = plgpu.load(k_ref.at[b, kv, pl.ds(t0, BLOCK_K), pl.ds(dh, dh)], mask=rmask, other=0)
-            vb = plgpu.load(v_ref.at[b, kv, pl.ds(t0, BLOCK_K), :], mask=rmask, other=0)
-            return attend_block(carry, kb1, kb2, vb, (t0 + idx0) < hi)
+            # other=0.0, not 0: the Triton lowering casts `other` to the cache's dtype, and has no int -> FP8 cast
+            kb1 = plgpu.load(k_ref.at[b, kv, pl.ds(t0, BLOCK_K), pl.ds(0, dh)], mask=rmask, other=0.0)
+            kb2 = plgpu.load(k_ref.at[b, kv, pl.ds(t0, BLOCK_K), pl.ds(dh, dh)], mask=rmask, other=0.0)
+            vb = plgpu.load(v_ref.at[b, kv, pl.ds(t0, BLOCK_K), :], mask=rmask, other=0.0)
+            return attend_block(carry, _bf16(kb1), _bf16(kb2), _bf16(vb), (t0 + idx0) < hi)
 
         m, l, acc = jax.lax.fori_loop(0, n_blocks, body, (m, l, acc))
 

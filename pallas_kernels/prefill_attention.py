@@ -123,7 +123,7 @@ def _kernel(*refs, mode, G, BQ, BK, T, S, W, window, sqrt_d, pv_mode):
     sink = jnp.broadcast_to(sink_ref[pl.ds(kv * G, G)][None, :], (BQ, G)).reshape(R).astype(F32) * unit
 
     def scores(kt):
-        s = _dot_t(qt, kt)
+        s = _dot_t(qt, kt.astype(qt.dtype))  # an FP8 full cache's keys: exact in BF16
         return s / sqrt_d if exact else s * (unit / sqrt_d)
 
     def update(carry, s, vt):
@@ -137,6 +137,7 @@ def _kernel(*refs, mode, G, BQ, BK, T, S, W, window, sqrt_d, pv_mode):
         if pv_mode == "f32":
             pv = _dot(p, vt.astype(F32))
         else:
+            vt = vt.astype(BF16)  # an FP8 full cache's values: exact in BF16
             p_hi = p.astype(BF16)
             pv = _dot(p_hi, vt)
             if pv_mode == "bf16x2":

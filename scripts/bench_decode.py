@@ -49,7 +49,8 @@ from flint_jax.config import FlintConfig  # noqa: E402
 from flint_jax.layer_stack import StackedParams  # noqa: E402
 from flint_jax.pallas_path import engine_layout  # noqa: E402
 from flint_jax.params import init_params, weight_bytes_per_token  # noqa: E402
-from flint_jax.state import FullCache, KVState, RingCache, kv_bytes_read, stack_caches  # noqa: E402
+from flint_jax.state import (KV_DTYPES, FullCache, KVState, RingCache, kv_bytes_read, kv_dtype_of,  # noqa: E402
+                             stack_caches, to_cache_values)
 
 VLLM_GB200 = {"nvfp4_forward_ms": 1.78, "bf16_forward_ms": 2.34, "served_ms": 2.06, "kernels": 346,
               "prefill_8k_ms": 145}
@@ -99,10 +100,16 @@ def _normal_bf16(key, shape):
     return jax.random.normal(key, shape, jnp.bfloat16)
 
 
-def random_state(cfg: FlintConfig, batch: int, max_len: int, context: int, key) -> KVState:
-    """A state holding `context` tokens per sequence, with random K/V (never time on zeros). One small program per
-    cache shape, called per layer: a single jit over all 49 layers took minutes to compile at batch 8 (run of
-    2026-11-29, 14:02), on the device's clock."""
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _normal_cache(key, shape, dtype):
+    return to_cache_values(jax.random.normal(key, shape, jnp.bfloat16), dtype)
+
+
+def random_state(cfg: FlintConfig, batch: int, max_len: int, context: int, key, kv_dtype="bf16") -> KVState:
+    """A state holding `context` tokens per sequence, with random K/V (never time on zeros); the full caches in
+    `kv_dtype` (state.KV_DTYPES). One small program per cache shape, called per layer: a single jit over all 49
+    layers took minutes to compile at batch 8 (run of 2026-11-29, 14:02), on the device's clock."""
+    full_dtype = kv_dtype_of(kv_dtype)
     KV, D, W = cfg.num_key_value_heads, cfg.head_dim, cfg.sliding_window
     slot_pos = np.arange(W)
     # slot s holds the latest position p < context with p % W == s
@@ -117,7 +124,7 @@ def random_state(cfg: FlintConfig, batch: int, max_len: int, context: int, key) 
             layers.append(RingCache(_normal_bf16(k1, shape), _normal_bf16(k2, shape), jnp.array(pos)))
         else:
             shape = (batch, KV, max_len, D)
-            layers.append(FullCache(_normal_bf16(k1, shape), _normal_bf16(k2, shape)))
+            layers.append(FullCache(_normal_cache(k1, shape, full_dtype), _normal_cache(k2, shape, full_dtype)))
     return KVState(tuple(layers), jnp.full((batch,), context, jnp.int32))
 
 
@@ -204,7 +211,7 @@ def expected_expert_fraction(cfg: FlintConfig, batch: int) -> float:
     return 1 - (1 - k / E) ** batch
 
 
-def bytes_per_step(cfg: FlintConfig, weights: str, batch: int, context: int) -> int:
+def bytes_per_step(cfg: FlintConfig, weights: str, batch: int, context: int, kv_dtype="bf16") -> int:
     one = weight_bytes_per_token(cfg, weights)
     if batch > 1:  # more distinct experts are read as the batch grows
         from flint_jax.params import weight_bytes_per_token as w
@@ -213,7 +220,7 @@ def bytes_per_step(cfg: FlintConfig, weights: str, batch: int, context: int) -> 
         frac1 = cfg.num_experts_per_tok / cfg.n_routed_experts
         routed_one = routed_all * frac1 / (1 - frac1)
         one = one - routed_one + (routed_all + routed_one) * expected_expert_fraction(cfg, batch)
-    return int(one + batch * kv_bytes_read(cfg, context))
+    return int(one + batch * kv_bytes_read(cfg, context, kv_dtype))
 
 
 # ---- main ----------------------------------------------------------------------------------------------------
@@ -237,6 +244,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-kv-gb", type=float, default=40.0,
                     help="skip contexts over 100K at a batch whose full caches would take more (GB; batch 8 at 262K "
                          "needs 60 with NVFP4's 23 GB of weights, BF16's 80 GB leave no room for it)")
+    ap.add_argument("--kv-dtype", default="bf16", choices=sorted(KV_DTYPES),
+                    help="element type of the full layers' KV caches (default: bf16; fp8: E4M3, see state.KV_DTYPES)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new points after this many seconds")
     args = ap.parse_args(argv)
     t_start = time.time()
@@ -289,7 +298,8 @@ def main(argv=None) -> int:
                     log("budget reached: stopping")
                     break
                 max_len = max(ctxs) + 8
-                kv_gb = batch * (len(cfg.full_layers) * max_len * 2 * cfg.num_key_value_heads * cfg.head_dim * 2) / 1e9
+                kv_gb = batch * (len(cfg.full_layers) * max_len * 2 * cfg.num_key_value_heads * cfg.head_dim
+                                 * kv_dtype_of(args.kv_dtype).itemsize) / 1e9
                 if not args.tiny and kv_gb > args.max_kv_gb:
                     log(f"{weights}/{impl} B={batch}: the full caches for context {max(ctxs)} take {kv_gb:.0f} GB "
                         f"(> --max-kv-gb {args.max_kv_gb:g}): skipping the contexts over 100K")
@@ -297,7 +307,7 @@ def main(argv=None) -> int:
                     if not ctxs:
                         continue
                     max_len = max(ctxs) + 8
-                state = random_state(cfg, batch, max_len, ctxs[0], jax.random.key(2))
+                state = random_state(cfg, batch, max_len, ctxs[0], jax.random.key(2), args.kv_dtype)
                 if stacked_caches:
                     state = KVState(stack_caches(state.layers), state.lengths)
                 tokens = jnp.arange(batch, dtype=jnp.int32) + 7
@@ -325,6 +335,7 @@ def main(argv=None) -> int:
                     tdir = os.path.join(args.out, "traces", f"{weights}_{impl}_b{batch}_{ctx}")
                     dev_ms, launched, summary, state = device_time(compiled, params, state, tokens, (), ctx, tdir)
                     point = {"weights": weights, "impl": impl, "layout": layout, "argument_buffers": buffers,
+                             "kv_dtype": args.kv_dtype,
                              "output_sha1": fingerprint,
                              "batch": batch, "context": ctx,
                              "forward_wall_ms": fwd_ms, "forward_device_ms": dev_ms,
@@ -332,7 +343,8 @@ def main(argv=None) -> int:
                              # entry instructions (an undercount: command-buffer calls hide their kernels)
                              "kernels": launched if launched is not None else kernels,
                              "kernels_source": "trace" if launched is not None else "hlo_entry",
-                             "bytes": bytes_per_step(cfg, weights, batch, ctx), "kernel_summary": summary}
+                             "bytes": bytes_per_step(cfg, weights, batch, ctx, args.kv_dtype),
+                             "kernel_summary": summary}
                     # The headline is the device time (the GPU's work per step); wall time where no trace.
                     point["forward_ms"] = dev_ms if dev_ms is not None else fwd_ms
                     point["roofline_ms"] = point["bytes"] / (peak * 1e9) * 1e3
@@ -384,16 +396,17 @@ def write_markdown(results: dict, path: str) -> None:
              "Served burst: the engine's decode_steps, several steps per dispatch, wall ms per token.",
              "Parameters: per-layer arrays, or the layers stacked (flint_jax.layer_stack); buffers: the arrays the "
              "host hands the step per call (parameters + state).",
-             "", "| weights | impl | parameters | buffers | batch | context | forward ms | forward wall ms | served ms "
-             "| served wall ms | served burst wall ms/token | kernels | GB/step | roofline ms | % HBM |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "KV: the full layers' cache element type (the rings are BF16).",
+             "", "| weights | impl | parameters | buffers | KV | batch | context | forward ms | forward wall ms "
+             "| served ms | served wall ms | served burst wall ms/token | kernels | GB/step | roofline ms | % HBM |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def ms(p, key):
         v = p.get(key)
         return f"{v:.3f}" if isinstance(v, (int, float)) else ""
     for p in results["points"]:
         lines.append(f"| {p['weights']} | {p['impl']} | {p.get('layout', 'layers')} | {p.get('argument_buffers', '')} "
-                     f"| {p['batch']} | {p['context']} | {ms(p, 'forward_ms')} | "
+                     f"| {p.get('kv_dtype', 'bf16')} | {p['batch']} | {p['context']} | {ms(p, 'forward_ms')} | "
                      f"{ms(p, 'forward_wall_ms')} | {ms(p, 'served_ms')} | {ms(p, 'served_wall_ms')} | "
                      f"{ms(p, 'served_burst_wall_ms_per_token')} | {p['kernels']} | {p['bytes'] / 1e9:.2f} | "
                      f"{p['roofline_ms']:.3f} | {100 * p['hbm_fraction']:.0f}% |")

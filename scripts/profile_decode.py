@@ -181,6 +181,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--served", action="store_true",
                     help="profile the served step (forward + LM head + sampling, Flint's defaults) instead")
+    ap.add_argument("--kv-dtype", default="bf16", choices=("bf16", "fp8"),
+                    help="element type of the full layers' KV caches (default: bf16; see state.KV_DTYPES)")
     ap.add_argument("--variants", default="base", help="comma list of kernel-knob variants (pallas impl only): "
                     + ", ".join(_variants()))
     args = ap.parse_args(argv)
@@ -188,9 +190,10 @@ def main(argv=None) -> int:
     cfg = FlintConfig.tiny() if args.tiny else FlintConfig.flint()
     context = min(args.context, 100) if args.tiny else args.context
     report = {"device": jax.devices()[0].device_kind, "batch": args.batch, "context": context,
+              "kv_dtype": args.kv_dtype,
               "step": "served" if args.served else "forward", "runs": []}
-    md = [f"Device {report['device']}, batch {args.batch}, context {context}, {args.steps} traced "
-          f"{report['step']} steps.", ""]
+    md = [f"Device {report['device']}, batch {args.batch}, context {context}, {args.kv_dtype} full KV caches, "
+          f"{args.steps} traced {report['step']} steps.", ""]
     for weights in args.weights.split(","):
         params = init_params(cfg, jax.random.key(1), weights)
         jax.block_until_ready(params)
@@ -203,7 +206,7 @@ def main(argv=None) -> int:
                 with variant(vname):
                     forward, served = make_steps(cfg, impl)
                     step = served if args.served else forward
-                    state = random_state(cfg, args.batch, context + 8, context, jax.random.key(2))
+                    state = random_state(cfg, args.batch, context + 8, context, jax.random.key(2), args.kv_dtype)
                     tokens = jnp.arange(args.batch, dtype=jnp.int32) + 7
                     extra = (jax.random.split(jax.random.key(3), args.batch),) if args.served else ()
                     t = time.time()

@@ -14,6 +14,8 @@ def test_help_and_usage_errors():
     assert flint("generate", "--max-tokens", "x").returncode == 2
     r = flint("generate", "--steps-per-dispatch", "0")
     assert r.returncode == 2 and "expected an integer >= 1, got '0'" in r.stderr
+    r = flint("generate", "--kv-dtype", "fp16")
+    assert r.returncode == 2 and "--kv-dtype: invalid choice: 'fp16'" in r.stderr
     r = flint("generate", "--steps-per-dispatch", "auto")
     assert r.returncode == 2 and "expected an integer >= 1, got 'auto'" in r.stderr
 

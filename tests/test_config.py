@@ -25,6 +25,9 @@ def test_state_bytes_are_28_kib_per_token_of_full_history():
     assert 2.85e9 < kv < 2.92e9
     assert 4.2e9 < kv + weight_bytes_per_token(cfg, "nvfp4") < 4.4e9
     assert 7.6e9 < kv + weight_bytes_per_token(cfg, "bf16") < 7.9e9
+    # kv_dtype="fp8": the full layers' history costs half (14 KiB per token), the rings (BF16) the same.
+    assert state_bytes(cfg, 1, 2, "fp8") - state_bytes(cfg, 1, 1, "fp8") == 14 * 1024
+    assert kv - kv_bytes_read(cfg, 100_000, "fp8") == 14 * 100_000 * 1024  # 14 full layers, 1 KiB per token each
 
 
 def test_tiny_exercises_every_feature():

@@ -55,6 +55,19 @@ def test_bad_requests_are_refused(engine, tiny_cfg, tiny_params):
         Engine(tiny_cfg, tiny_params, max_batch=9)
 
 
+def test_fp8_kv_cache_engine(tiny_cfg, tiny_params):
+    """Engine(kv_dtype="fp8"): the full layers' caches hold FP8 (the rings BF16), generation runs and is
+    reproducible; an unknown kv_dtype is refused with the choices named."""
+    eng = Engine(tiny_cfg, tiny_params, max_batch=1, max_len=32, chunk_size=4, kv_dtype="fp8")
+    dtypes = {str(c.k.dtype) for c in eng.state.layers}
+    assert dtypes == {"float8_e4m3fn", "bfloat16"}
+    greedy = SamplingParams(temperature=0.0, max_tokens=5)
+    first = eng.generate([[1, 2, 3, 4, 5, 6]], greedy)[0].tokens
+    assert len(first) == 5 and eng.generate([[1, 2, 3, 4, 5, 6]], greedy)[0].tokens == first
+    with pytest.raises(ValueError, match=r"kv_dtype must be one of \['bf16', 'fp8'\], got 'fp16'"):
+        Engine(tiny_cfg, tiny_params, max_batch=1, max_len=32, kv_dtype="fp16")
+
+
 def test_pallas_prefill_program_compiles_once_across_requests():
     """In a fresh process, the engine's prefill programs (two segments on the tiny config) compile on the first
     request only. Pallas' interpret mode

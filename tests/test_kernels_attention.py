@@ -20,7 +20,7 @@ from flint_jax.config import FULL, SLIDING, FlintConfig
 from flint_jax.params import init_params
 from flint_jax.pallas_kernels import attention_prologue as AP
 from flint_jax.pallas_kernels import decode_attention as DA
-from flint_jax.state import FullCache, RingCache
+from flint_jax.state import FullCache, RingCache, to_cache_values
 from kernel_mode import INTERPRET
 
 W, S_MAX = 17, 256
@@ -210,6 +210,66 @@ def test_attention_block_decode_steps(weights, sliding):
         pos = pos + active.astype(jnp.int32)
 
 
+FP8 = jnp.float8_e4m3fn
+
+
+def fp8_ulps(got, ref):
+    """|got - ref| in units of ref's FP8 (E4M3) spacing: 2^(e - 3) for normal values, 2^-9 below 2^-6."""
+    got, ref = f32(got), f32(ref)
+    spacing = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(ref), 2.0 ** -6))) - 3)
+    return np.abs(got - ref) / spacing
+
+
+@pytest.mark.parametrize("amplify", [1.0, 3000.0], ids=["fp8", "fp8-saturating"])
+def test_attention_block_decode_fp8_full_cache(amplify):
+    """kv_dtype="fp8" (state.KV_DTYPES): two decode steps on an FP8 full cache, 4 splits folded by `combine`, against
+    model.attention_block on the same cache. The new K/V are rounded as state.write_full rounds them, and the new
+    token attends with those values. "saturating": the attention norm scaled up so V reaches thousands: stored as
+    +-448 (E4M3's largest finite value), not NaN. Cache entries other than the written slots stay bit for bit; a
+    written value may sit one FP8 step from the reference's (its BF16 value one ulp away, across a rounding
+    boundary)."""
+    import dataclasses
+    layer = params("nvfp4").layers[1]
+    layer = dataclasses.replace(layer, attn_norm=(layer.attn_norm.astype(jnp.float32) * amplify).astype(jnp.bfloat16))
+    lengths = [0, 63, 64, 190]
+    B = len(lengths)
+    start = full_cache(jax.random.key(10), B)
+    cache = cache_ref = FullCache(k=to_cache_values(start.k, FP8), v=to_cache_values(start.v, FP8))
+    pos = jnp.asarray(lengths, jnp.int32)
+    written = np.zeros(cache.k.shape, bool)
+    for step in range(2):
+        h = jax.random.normal(jax.random.key(20 + step), (B, CFG.hidden_size)).astype(jnp.bfloat16)
+        active = jnp.array([True, step != 0, True, True])
+        got, cache = block_k(h, layer, cache, pos, active, cfg=CFG, sliding=False, splits=4, min_chunk=64)
+        ref, cache_ref = block_r(h, layer, cache_ref, pos, active, cfg=CFG, sliding=False)
+        assert cache.k.dtype == cache.v.dtype == FP8
+        assert_out_close(got, ref)
+        for b in np.flatnonzero(np.asarray(active)):
+            written[b, :, int(pos[b])] = True
+        for got_c, ref_c in ((cache.k, cache_ref.k), (cache.v, cache_ref.v)):
+            g, r = f32(got_c), f32(ref_c)
+            assert not np.isnan(g).any()
+            np.testing.assert_array_equal(g[~written], r[~written])
+            assert fp8_ulps(g[written], r[written]).max() <= 1
+        pos = pos + active.astype(jnp.int32)
+    v = f32(cache.v)[written]
+    if amplify > 1:
+        assert np.abs(v).max() == 448.0 and (np.abs(v) == 448.0).mean() > 0.5
+    else:
+        assert np.abs(v).max() < 448.0
+
+
+def test_ring_caches_must_stay_bf16():
+    """kv_dtype applies to the full layers; an FP8 ring is refused with a message that says so."""
+    layer = params("nvfp4").layers[0]
+    ring = ring_cache(jax.random.key(3), [5, 9])
+    ring = RingCache(k=ring.k.astype(FP8), v=ring.v.astype(FP8), pos=ring.pos)
+    h = jnp.zeros((2, CFG.hidden_size), jnp.bfloat16)
+    with pytest.raises(ValueError, match="ring caches hold BF16"):
+        DA.attention_block_decode(h, layer, ring, jnp.array([6, 10]), jnp.array([True, True]), CFG, True,
+                                  interpret=True)
+
+
 def test_model_attention_block_signature():
     """The adapter with model.attention_block's signature equals model.attention_block for T = 1."""
     from flint_jax.model import attention_block
@@ -250,9 +310,11 @@ def test_kernels_lower_to_triton_for_h200(monkeypatch):
                 fns += [lambda c: AP.attention_prologue(h, layer.attn_norm, layer.attn, c, pos, active, CFG, sliding),
                         lambda c: DA.decode_attention(q, c, pos, layer.attn.sinks, CFG, sliding, active,
                                                       2 if sliding else 4)]
+            caches = [cache] if sliding else [cache, FullCache(k=cache.k.astype(FP8), v=cache.v.astype(FP8))]
             for fn in fns:
-                text = jax.jit(fn).trace(cache).lower(lowering_platforms=("cuda",)).as_text()
-                assert "__gpu$xla.gpu.triton" in text
+                for c in caches:
+                    text = jax.jit(fn).trace(c).lower(lowering_platforms=("cuda",)).as_text()
+                    assert "__gpu$xla.gpu.triton" in text
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")

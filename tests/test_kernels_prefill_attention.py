@@ -134,6 +134,23 @@ def test_full_attention_matches_reference(sinks, lengths):
     assert_close(out, ref, np.asarray(valid), (v, hv), pv_mode(BLOCK))
 
 
+def test_full_attention_reads_an_fp8_cache():
+    """kv_dtype="fp8" (state.KV_DTYPES): history and chunk written into an FP8 cache by state.write_full (rounded,
+    saturating), read by the kernel as BF16 (exact), against the reference on the same cache."""
+    name = "mixed"
+    q, k, v, positions, valid, (hk, hv, hpos, hvalid) = chunk(*LENGTHS[name], seed=4)
+    fp8 = jnp.float8_e4m3fn
+    cache = FullCache(jnp.zeros((B, KV, S, D), fp8), jnp.zeros((B, KV, S, D), fp8))
+    cache = write_full(write_full(cache, hk, hv, hpos, hvalid), k, v, positions, valid)
+    assert cache.k.dtype == cache.v.dtype == fp8
+    lengths_after = jnp.asarray(LENGTHS[name][0]) + jnp.asarray(LENGTHS[name][1])
+    q_pos = jnp.where(valid, positions, -1)
+    sk = jnp.asarray(MIXED_SINKS, F32)
+    out = pa.full_attention(q, q_pos, cache, lengths_after, sk, interpret=INTERPRET, block=BLOCK)
+    ref = reference(pa.ref_full_attention, q, q_pos, cache, lengths_after, sk)
+    assert_close(out, ref, np.asarray(valid), (v, hv), pv_mode(BLOCK))
+
+
 @pytest.mark.parametrize("pv", ["bf16x2", "bf16"])
 def test_split_probabilities_stay_close(pv):
     """The GPU's P @ V variants (and their base-2 exponentials), ring and full layers, each within its mode's bound
@@ -190,7 +207,9 @@ def test_kernels_lower_to_triton_for_h200(monkeypatch):
     q_pos, sinks, lens = S((1, Tf), jnp.int32), S((Hf,), F32), S((1,), jnp.int32)
     ring = RingCache(S((1, KVf, Wf, Df), BF16), S((1, KVf, Wf, Df), BF16), S((1, Wf), jnp.int32))
     full = FullCache(S((1, KVf, Sf, Df), BF16), S((1, KVf, Sf, Df), BF16))
+    fp8 = FullCache(S((1, KVf, Sf, Df), jnp.float8_e4m3fn), S((1, KVf, Sf, Df), jnp.float8_e4m3fn))
     for fn, args in ((lambda q, k, v, p, r, s: pa.ring_attention(q, k, v, p, r, s, Wf), (q, k, k, q_pos, ring, sinks)),
-                     (lambda q, p, c, n, s: pa.full_attention(q, p, c, n, s), (q, q_pos, full, lens, sinks))):
+                     (lambda q, p, c, n, s: pa.full_attention(q, p, c, n, s), (q, q_pos, full, lens, sinks)),
+                     (lambda q, p, c, n, s: pa.full_attention(q, p, c, n, s), (q, q_pos, fp8, lens, sinks))):
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "__gpu$xla.gpu.triton" in text
