@@ -101,9 +101,51 @@ def _as_vector(cond, n: int):
     return (jnp.zeros((n,), jnp.int32) + cond.astype(jnp.int32)) > 0
 
 
-def _bf16(x):
-    """Keys/values of an FP8 full cache as BF16 (exact) for the tensor-core dots; BF16 tiles as they are."""
-    return x if x.dtype == BF16 else x.astype(BF16)
+# FP8 (E4M3) cache tiles to BF16 / FP32 in inline PTX on the GPU. Triton's own casts took 2 conversion instructions
+# per value (e4m3x2 -> f16x2, f16 -> bf16, bf16 -> f32 for the values' TF32 dot), and conversions issue at 16 per
+# clock per SM: the full layers' attention at 100K read half the bytes of BF16 in the same ~54 us (run EJ,
+# docs/BENCHMARKS.md). The PTX works on 32-bit registers of two BF16 lanes, as weight_tiles' NVFP4 decode does:
+# per 2 bytes one byte permute puts each byte in its lane's high byte, a shift and two masks place the magnitude
+# bits (e e e e m m m) in BF16 bits 10..4 and keep the sign in bit 15, which is exactly E4M3(x) * 2^-120 (E4M3's
+# subnormals become BF16 subnormals), and one BF16x2 FMA multiplies by 2^120 (exact: the product is the E4M3 value).
+# Values for the FP32 operand take their BF16 lane into the high half of a register. Same values as the casts.
+FP8_PTX = True
+_BF16_2POW120 = "0x7B807B80"  # 2^120 in both BF16 lanes
+
+
+def _fp8_pair_ptx(src: str, sel: str) -> str:
+    """PTX: two bytes of `src` (prmt selector `sel`) -> register r as BF16x2, the bytes' E4M3 values."""
+    return (f"prmt.b32 t, {src}, z, {sel};\n"
+            "shr.b32 a, t, 4; and.b32 a, a, 0x07F007F0; and.b32 s, t, 0x80008000; or.b32 a, a, s;\n"
+            f"fma.rn.bf16x2 r, a, c, n;\n")
+
+
+def _fp8_ptx(to_f32: bool) -> str:
+    """PTX for 4 E4M3 bytes (pack=4; byte i = element i): to BF16 ($0, $1: two lanes each; input $2) or to FP32
+    ($0..$3; input $4). prmt 0x1404 puts byte 0 in the high byte of lane 0 and byte 1 in lane 1's, 0x3424 bytes 2
+    and 3; the shift right by 4 moves no set bit across lanes (each lane's low byte is zero)."""
+    src = "$4" if to_f32 else "$2"
+    body = ""
+    for i, sel in enumerate(("0x1404", "0x3424")):
+        body += _fp8_pair_ptx(src, sel)
+        if to_f32:
+            body += f"shl.b32 ${2 * i}, r, 16; and.b32 ${2 * i + 1}, r, 0xFFFF0000;\n"
+        else:
+            body += f"mov.b32 ${i}, r;\n"
+    return ("{\n.reg .b32 t, a, s, r, z, n, c;\nmov.b32 z, 0;\nmov.b32 n, 0x80008000;\n"
+            f"mov.b32 c, {_BF16_2POW120};\n" + body + "}")
+
+
+def _from_cache(x, dtype, ptx: bool):
+    """A cache tile as `dtype` (BF16 for the score dot, FP32 for the values' dot): BF16 tiles by a cast, FP8 tiles
+    (an FP8 full cache) exactly, by inline PTX where `ptx` (compiled, FP8_PTX), else by a cast."""
+    if x.dtype == BF16 or not (ptx and FP8_PTX):
+        return x.astype(dtype)
+    n_out = 4 if dtype == F32 else 2
+    out = jax.ShapeDtypeStruct(x.shape, dtype)
+    return plgpu.elementwise_inline_asm(_fp8_ptx(dtype == F32), args=[jax.lax.bitcast_convert_type(x, jnp.uint8)],
+                                        constraints=",".join(["=r"] * n_out + ["r"]), pack=4,
+                                        result_shape_dtypes=[out])[0]
 
 
 def _load_ring_row(k_ref, v_ref, kpos_ref, b, kv, slot: int, read, dh: int, D: int):
@@ -284,7 +326,8 @@ def _attn_kernel(*refs, mode, ring, sliding, B, Hq, KV, G, D, window, n_slots, s
             kb1 = plgpu.load(k_ref.at[b, kv, pl.ds(t0, BLOCK_K), pl.ds(0, dh)], mask=rmask, other=0.0)
             kb2 = plgpu.load(k_ref.at[b, kv, pl.ds(t0, BLOCK_K), pl.ds(dh, dh)], mask=rmask, other=0.0)
             vb = plgpu.load(v_ref.at[b, kv, pl.ds(t0, BLOCK_K), :], mask=rmask, other=0.0)
-            return attend_block(carry, _bf16(kb1), _bf16(kb2), _bf16(vb), (t0 + idx0) < hi)
+            return attend_block(carry, _from_cache(kb1, BF16, compiled), _from_cache(kb2, BF16, compiled),
+                                _from_cache(vb, F32, compiled), (t0 + idx0) < hi)
 
         m, l, acc = jax.lax.fori_loop(0, n_blocks, body, (m, l, acc))
 

@@ -1,13 +1,15 @@
 """The packed NVFP4 -> BF16 decode's inline PTX (`weight_tiles._packed_ptx`) runs only on the GPU (the prefill GEMMs
-and the decode path's tensor-core GEMVs). Here a small interpreter of the instructions it uses (mov, prmt, shl, and,
-or, fma.rn.bf16x2) runs the PTX text on the CPU, and it must give the bits of the array path that interpret mode
-runs, for every code byte and every finite E4M3 scale: an edit that breaks the PTX fails CI, not a device run."""
+and the decode path's tensor-core GEMVs), and so does the FP8 KV cache's decode (`decode_attention._fp8_ptx`). Here a
+small interpreter of the instructions they use (mov, prmt, shl, shr, and, or, fma.rn.bf16x2) runs the PTX text on
+the CPU, and it must give the bits of the array path that interpret mode runs, for every code byte and every finite
+E4M3 scale (every finite E4M3 value): an edit that breaks the PTX fails CI, not a device run."""
 import re
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from flint_jax.pallas_kernels import decode_attention as da
 from flint_jax.pallas_kernels import weight_tiles as wt
 
 U32 = np.uint32
@@ -46,6 +48,7 @@ def _fma_bf16x2(a, b, c):
 def run_ptx(text: str, inputs: dict) -> dict:
     """Interpret `text` (the instructions _packed_ptx emits) over uint32 arrays; inputs/outputs keyed "$k"."""
     regs = dict(inputs)
+    shape = next(iter(inputs.values())).shape
 
     def val(tok):
         tok = tok.strip()
@@ -58,11 +61,13 @@ def run_ptx(text: str, inputs: dict) -> dict:
         op, args = stmt.split(None, 1)
         dst, *src = [s.strip() for s in args.split(",")]
         if op == "mov.b32":
-            regs[dst] = np.broadcast_to(val(src[0]), regs["$2"].shape).astype(U32)
+            regs[dst] = np.broadcast_to(val(src[0]), shape).astype(U32)
         elif op == "prmt.b32":
             regs[dst] = _prmt(val(src[0]), val(src[1]), int(src[2], 0))
         elif op == "shl.b32":
             regs[dst] = (val(src[0]).astype(np.uint64) << np.uint64(int(src[1], 0))).astype(U32)
+        elif op == "shr.b32":
+            regs[dst] = val(src[0]) >> U32(int(src[1], 0))
         elif op == "and.b32":
             regs[dst] = val(src[0]) & val(src[1])
         elif op == "or.b32":
@@ -105,3 +110,32 @@ def test_the_interpreter_catches_a_wrong_mask():
     words = np.arange(64, dtype=U32) * U32(0x01030507)
     inputs = {"$2": words, "$3": np.full(64, 0x3F803F80, U32), "$4": np.full(64, 0x3F803F80, U32)}
     assert not np.array_equal(run_ptx(good, inputs)["$0"], run_ptx(bad, inputs)["$0"])
+
+
+@pytest.mark.parametrize("to_f32", [False, True], ids=["bf16", "f32"])
+def test_fp8_cache_ptx_gives_the_casts_values(to_f32):
+    """decode_attention._fp8_ptx: every finite E4M3 byte (254: subnormals, both zeros, +-448) in every position of a
+    4-byte word, against jnp's cast of the same FP8 values to BF16 / FP32 (what interpret mode runs)."""
+    finite = np.array([b for b in range(256) if b & 0x7F != 0x7F], np.uint8)
+    codes = np.concatenate([np.roll(finite, r) for r in range(4)])  # each value in each lane
+    dtype = jnp.float32 if to_f32 else jnp.bfloat16
+    want = np.asarray(jnp.asarray(codes).view(jnp.float8_e4m3fn).astype(dtype))
+    want_bits = want.view(np.uint32) if to_f32 else want.view(np.uint16).astype(U32)
+    words = codes.reshape(-1, 4).astype(U32)
+    packed = words[:, 0] | words[:, 1] << U32(8) | words[:, 2] << U32(16) | words[:, 3] << U32(24)
+    regs = run_ptx(da._fp8_ptx(to_f32), {"$4" if to_f32 else "$2": packed})
+    if to_f32:
+        got = np.stack([regs[f"${i}"] for i in range(4)], axis=1).reshape(-1)
+    else:
+        got = np.stack([regs["$0"] & U32(0xFFFF), regs["$0"] >> U32(16), regs["$1"] & U32(0xFFFF),
+                        regs["$1"] >> U32(16)], axis=1).reshape(-1)
+    np.testing.assert_array_equal(got, want_bits)
+    assert np.abs(want).max() == 448.0 and np.abs(want[want != 0]).min() == 2.0 ** -9  # the range's both ends
+
+
+def test_fp8_interpreter_catches_a_wrong_shift():
+    """The FP8 check can fail: a shift of 3 instead of 4 gives other bits."""
+    good = da._fp8_ptx(False)
+    bad = good.replace("shr.b32 a, t, 4", "shr.b32 a, t, 3")
+    words = np.arange(64, dtype=U32) * U32(0x01030507)
+    assert not np.array_equal(run_ptx(good, {"$2": words})["$0"], run_ptx(bad, {"$2": words})["$0"])
