@@ -59,6 +59,11 @@ def _variants():
         "moe_bn16": [(ME, "GATE_UP_BLOCK", (16, 512, 4, 3)), (ME, "DOWN_BLOCK", (16, 512, 4, 1))],
         "attn_bk128": [(DA, "BLOCK_K", 128)],
         "attn_warps8": [(DA, "NUM_WARPS", 8), (DA, "RING_NUM_WARPS", 8)],
+        # full layers only (the rings keep RING_NUM_WARPS): fewer warps per program, no cross-warp reductions in a
+        # key block's softmax; with attn_two_waves twice the programs (an FP8 cache's stages take half the shared
+        # memory, so more programs fit on an SM)
+        "attn_warps2": [(DA, "NUM_WARPS", 2)],
+        "attn_warps1": [(DA, "NUM_WARPS", 1)],
         "ring_warps4": [(DA, "RING_NUM_WARPS", 4)],  # the ring kernels as before run BD
         "attn_splits64": [(DA, "MAX_SPLITS", 64)],  # run O's variant; the default since (one wave at B = 1)
         "attn_stages4": [(DA, "NUM_STAGES", 4)],
