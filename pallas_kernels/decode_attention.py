@@ -86,6 +86,12 @@ MAX_EXTRA_SLOTS = 4
 # NVFP4 step at 100K, batch 1): ring kernel 6.3 -> 5.6 us, step 2.333 -> 2.309 ms, for one more XLA kernel per step
 # (the table, ~1.1 us; XLA's CSE keeps one for the 35 layers).
 ROPE_TABLE = True
+# The values' dot p @ V: "tf32" (the default) rounds p to TF32 (10 mantissa bits) and takes V as FP32; "bf16x2"
+# splits p into two BF16 parts (hi + lo: about 16 bits, finer than TF32) and runs two BF16 dots on V as BF16 (exact
+# for BF16 and FP8 caches), so V needs no FP32 copy and the dots run at twice TF32's rate; "bf16" rounds p to BF16
+# (one dot; coarser than the reference's rounding: a probe for the profiler, not for use).
+PV_MODES = ("tf32", "bf16x2", "bf16")
+PV_MODE = "tf32"
 # The last-arriving program folds at most this many splits (FOLD_VALUES below per load); more splits (full layers at
 # long contexts: 64 at B = 1) go to the `combine` kernel, which folds them in parallel over (sequence, head)
 # programs: one program folding 128 splits cost 113 us per layer at 100K on the H200 (docs/BENCHMARKS.md).
@@ -146,6 +152,25 @@ def _from_cache(x, dtype, ptx: bool):
     return plgpu.elementwise_inline_asm(_fp8_ptx(dtype == F32), args=[jax.lax.bitcast_convert_type(x, jnp.uint8)],
                                         constraints=",".join(["=r"] * n_out + ["r"]), pack=4,
                                         result_shape_dtypes=[out])[0]
+
+
+def _value_dtype():
+    """The dtype the values' dot takes V in (PV_MODE)."""
+    if PV_MODE not in PV_MODES:
+        raise ValueError(f"decode_attention.PV_MODE must be one of {PV_MODES}, got {PV_MODE!r}")
+    return F32 if PV_MODE == "tf32" else BF16
+
+
+def _values_dot(p, vb):
+    """p [ROWS, BK] (FP32) @ vb [BK, D] in FP32, rounded as PV_MODE says."""
+    if _value_dtype() == F32:
+        return plgpu.dot(p, vb.astype(F32), allow_tf32=True)
+    vb = vb.astype(BF16)
+    p_hi = p.astype(BF16)
+    pv = plgpu.dot(p_hi, vb)
+    if PV_MODE == "bf16x2":
+        pv = pv + plgpu.dot((p - p_hi.astype(F32)).astype(BF16), vb)
+    return pv
 
 
 def _load_ring_row(k_ref, v_ref, kpos_ref, b, kv, slot: int, read, dh: int, D: int):
@@ -282,7 +307,7 @@ def _attn_kernel(*refs, mode, ring, sliding, B, Hq, KV, G, D, window, n_slots, s
         m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
         alpha = jnp.exp(m - m_safe)
         p = jnp.exp(sc - m_safe[:, None])
-        pv = plgpu.dot(p, vb.astype(F32), allow_tf32=True)
+        pv = _values_dot(p, vb)
         return m_new, l * alpha + jnp.sum(p, axis=1), acc * alpha[:, None] + pv
 
     def ring_ok(kp):
@@ -327,7 +352,7 @@ def _attn_kernel(*refs, mode, ring, sliding, B, Hq, KV, G, D, window, n_slots, s
             kb2 = plgpu.load(k_ref.at[b, kv, pl.ds(t0, BLOCK_K), pl.ds(dh, dh)], mask=rmask, other=0.0)
             vb = plgpu.load(v_ref.at[b, kv, pl.ds(t0, BLOCK_K), :], mask=rmask, other=0.0)
             return attend_block(carry, _from_cache(kb1, BF16, compiled), _from_cache(kb2, BF16, compiled),
-                                _from_cache(vb, F32, compiled), (t0 + idx0) < hi)
+                                _from_cache(vb, _value_dtype(), compiled), (t0 + idx0) < hi)
 
         m, l, acc = jax.lax.fori_loop(0, n_blocks, body, (m, l, acc))
 

@@ -64,6 +64,10 @@ def _variants():
         # memory, so more programs fit on an SM)
         "attn_warps2": [(DA, "NUM_WARPS", 2)],
         "attn_warps1": [(DA, "NUM_WARPS", 1)],
+        # the values' dot (rings and full layers): two BF16 dots on p's hi and lo parts, V as BF16 (no FP32 copy);
+        # or one BF16 dot (p rounded to BF16: coarser than the reference, a probe of what the dot costs)
+        "attn_pv_bf16x2": [(DA, "PV_MODE", "bf16x2")],
+        "attn_pv_bf16": [(DA, "PV_MODE", "bf16")],
         "ring_warps4": [(DA, "RING_NUM_WARPS", 4)],  # the ring kernels as before run BD
         "attn_splits64": [(DA, "MAX_SPLITS", 64)],  # run O's variant; the default since (one wave at B = 1)
         "attn_stages4": [(DA, "NUM_STAGES", 4)],

@@ -259,6 +259,61 @@ def test_attention_block_decode_fp8_full_cache(amplify):
         assert np.abs(v).max() < 448.0
 
 
+def test_values_dot_rounding_modes():
+    """PV_MODE's values dot, alone, against an FP64 product: "bf16x2" (p split into two BF16 parts) is close to
+    FP32 rounding (p to about 16 bits), "bf16" rounds p to 8 bits, so its error is far larger; an unknown mode
+    is refused by name."""
+    kp, kv = jax.random.split(jax.random.key(40))
+    p = jax.nn.softmax(3 * jax.random.normal(kp, (16, 64)), axis=1)
+    v = jax.random.normal(kv, (64, 128)).astype(jnp.bfloat16)
+    exact = np.asarray(p, np.float64) @ np.asarray(v.astype(jnp.float32), np.float64)
+    errors = {}
+    for mode in ("bf16x2", "bf16"):
+        DA_mode = DA.PV_MODE
+        try:
+            DA.PV_MODE = mode
+            errors[mode] = np.abs(np.asarray(DA._values_dot(p, v), np.float64) - exact).max()
+        finally:
+            DA.PV_MODE = DA_mode
+    scale = np.abs(exact).max()
+    assert errors["bf16x2"] < 2.0 ** -14 * scale
+    assert errors["bf16"] > 8 * errors["bf16x2"]
+    try:
+        DA.PV_MODE = "fp16"
+        with pytest.raises(ValueError, match="PV_MODE must be one of"):
+            DA._values_dot(p, v)
+    finally:
+        DA.PV_MODE = DA_mode
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+def test_values_dot_in_bf16_parts_decodes_like_the_reference(monkeypatch, kv_dtype):
+    """PV_MODE="bf16x2" in the fused decode: a sliding layer (ring) and a full layer (BF16 or FP8 cache, 4 splits),
+    two steps each, against the reference, as with the default TF32 values dot."""
+    monkeypatch.setattr(DA, "PV_MODE", "bf16x2")
+    block = _jit(DA.attention_block_decode, "cfg", "sliding", "splits", "min_chunk")  # a fresh trace sees the mode
+    for sliding in ((True, False) if kv_dtype == "bf16" else (False,)):
+        layer = params("nvfp4").layers[0 if sliding else 1]
+        lengths = [0, W - 1, W, 3 * W + 2] if sliding else [0, 63, 64, 190]
+        B = len(lengths)
+        if sliding:
+            cache = ring_cache(jax.random.key(41), [n - 1 for n in lengths])
+        else:
+            cache = full_cache(jax.random.key(41), B)
+            if kv_dtype == "fp8":
+                cache = FullCache(k=to_cache_values(cache.k, FP8), v=to_cache_values(cache.v, FP8))
+        cache_ref = cache
+        pos = jnp.asarray(lengths, jnp.int32)
+        for step in range(2):
+            h = jax.random.normal(jax.random.key(42 + step), (B, CFG.hidden_size)).astype(jnp.bfloat16)
+            active = jnp.array([True, step != 0, True, True])
+            got, cache = block(h, layer, cache, pos, active, cfg=CFG, sliding=sliding,
+                               splits=None if sliding else 4, min_chunk=None if sliding else 64)
+            ref, cache_ref = block_r(h, layer, cache_ref, pos, active, cfg=CFG, sliding=sliding)
+            assert_out_close(got, ref)
+            pos = pos + active.astype(jnp.int32)
+
+
 def test_ring_caches_must_stay_bf16():
     """kv_dtype applies to the full layers; an FP8 ring is refused with a message that says so."""
     layer = params("nvfp4").layers[0]
@@ -315,6 +370,24 @@ def test_kernels_lower_to_triton_for_h200(monkeypatch):
                 for c in caches:
                     text = jax.jit(fn).trace(c).lower(lowering_platforms=("cuda",)).as_text()
                     assert "__gpu$xla.gpu.triton" in text
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_values_dot_in_bf16_parts_lowers_to_triton(monkeypatch):
+    """PV_MODE="bf16x2" lowers for the H200 too: a ring, and a full layer on an FP8 cache."""
+    from jax._src.pallas.triton import gpu_info, pallas_call_registration
+    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
+                        lambda: gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200))
+    monkeypatch.setattr(DA, "PV_MODE", "bf16x2")
+    pos, active = jnp.array([3, 40], jnp.int32), jnp.array([True, False])
+    h = jnp.zeros((2, CFG.hidden_size), jnp.bfloat16)
+    full = full_cache(jax.random.key(0), 2)
+    for sliding, cache in ((True, ring_cache(jax.random.key(0), [2, 39])),
+                           (False, FullCache(k=full.k.astype(FP8), v=full.v.astype(FP8)))):
+        layer = params("nvfp4").layers[0 if sliding else 1]
+        fn = lambda c: DA.attention_block_decode(h, layer, c, pos, active, CFG, sliding, 1 if sliding else 4, 64)
+        text = jax.jit(fn).trace(cache).lower(lowering_platforms=("cuda",)).as_text()
+        assert "__gpu$xla.gpu.triton" in text
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
