@@ -107,15 +107,18 @@ def _as_vector(cond, n: int):
     return (jnp.zeros((n,), jnp.int32) + cond.astype(jnp.int32)) > 0
 
 
-# FP8 (E4M3) cache tiles to BF16 / FP32 in inline PTX on the GPU. Triton's own casts took 2 conversion instructions
-# per value (e4m3x2 -> f16x2, f16 -> bf16, bf16 -> f32 for the values' TF32 dot), and conversions issue at 16 per
-# clock per SM: the full layers' attention at 100K read half the bytes of BF16 in the same ~54 us (run EJ,
-# docs/BENCHMARKS.md). The PTX works on 32-bit registers of two BF16 lanes, as weight_tiles' NVFP4 decode does:
-# per 2 bytes one byte permute puts each byte in its lane's high byte, a shift and two masks place the magnitude
-# bits (e e e e m m m) in BF16 bits 10..4 and keep the sign in bit 15, which is exactly E4M3(x) * 2^-120 (E4M3's
-# subnormals become BF16 subnormals), and one BF16x2 FMA multiplies by 2^120 (exact: the product is the E4M3 value).
-# Values for the FP32 operand take their BF16 lane into the high half of a register. Same values as the casts.
-FP8_PTX = True
+# FP8 (E4M3) cache tiles to BF16 / FP32: by Triton's casts (FP8_PTX = False, the default) or by inline PTX (True).
+# The PTX works on 32-bit registers of two BF16 lanes, as weight_tiles' NVFP4 decode does: per 2 bytes one byte
+# permute puts each byte in its lane's high byte, a shift and two masks place the magnitude bits (e e e e m m m) in
+# BF16 bits 10..4 and keep the sign in bit 15, which is exactly E4M3(x) * 2^-120 (E4M3's subnormals become BF16
+# subnormals), and one BF16x2 FMA multiplies by 2^120 (exact: the product is the E4M3 value). Values for the FP32
+# operand take their BF16 lane into the high half of a register. Same values as the casts, and fewer conversion
+# instructions (Triton's casts take 2 per value), yet slower: measured in one run on the H200 (run EO,
+# docs/BENCHMARKS.md, NVFP4 step at 100K), the full-layer kernel took 53.6 us per layer with the PTX and 48.8 us
+# with the casts at batch 1, 390 and 350 us at batch 8 (BF16 caches: 52.5 us at batch 1). Triton places its own
+# casts after the tile is in the dot's operand layout, likely, while the inline assembly is pinned to the layout the
+# tile is loaded in (not checked in the IR).
+FP8_PTX = False
 _BF16_2POW120 = "0x7B807B80"  # 2^120 in both BF16 lanes
 
 
@@ -144,7 +147,7 @@ def _fp8_ptx(to_f32: bool) -> str:
 
 def _from_cache(x, dtype, ptx: bool):
     """A cache tile as `dtype` (BF16 for the score dot, FP32 for the values' dot): BF16 tiles by a cast, FP8 tiles
-    (an FP8 full cache) exactly, by inline PTX where `ptx` (compiled, FP8_PTX), else by a cast."""
+    (an FP8 full cache) exactly, by inline PTX where `ptx` (compiled) and FP8_PTX, else by a cast."""
     if x.dtype == BF16 or not (ptx and FP8_PTX):
         return x.astype(dtype)
     n_out = 4 if dtype == F32 else 2

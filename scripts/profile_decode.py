@@ -68,7 +68,8 @@ def _variants():
         # or one BF16 dot (p rounded to BF16: coarser than the reference, a probe of what the dot costs)
         "attn_pv_bf16x2": [(DA, "PV_MODE", "bf16x2")],
         "attn_pv_bf16": [(DA, "PV_MODE", "bf16")],
-        "fp8_casts": [(DA, "FP8_PTX", False)],  # an FP8 cache decoded by Triton's casts (which it may hoist)
+        "fp8_casts": [(DA, "FP8_PTX", False)],  # an FP8 cache decoded by Triton's casts (the default since run EO)
+        "fp8_ptx": [(DA, "FP8_PTX", True)],  # an FP8 cache decoded by inline PTX (the default of runs EK-EN)
         "ring_warps4": [(DA, "RING_NUM_WARPS", 4)],  # the ring kernels as before run BD
         "attn_splits64": [(DA, "MAX_SPLITS", 64)],  # run O's variant; the default since (one wave at B = 1)
         "attn_stages4": [(DA, "NUM_STAGES", 4)],

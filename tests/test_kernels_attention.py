@@ -373,12 +373,15 @@ def test_kernels_lower_to_triton_for_h200(monkeypatch):
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-def test_values_dot_in_bf16_parts_lowers_to_triton(monkeypatch):
-    """PV_MODE="bf16x2" lowers for the H200 too: a ring, and a full layer on an FP8 cache."""
+@pytest.mark.parametrize("pv_mode,fp8_ptx", [("bf16x2", False), ("tf32", True), ("bf16x2", True)])
+def test_attention_knobs_lower_to_triton(monkeypatch, pv_mode, fp8_ptx):
+    """The values dot's modes (PV_MODE) and the FP8 tiles' PTX decode (FP8_PTX, off by default) lower for the H200
+    too: a ring, and a full layer on an FP8 cache (its PTX in the IR where FP8_PTX)."""
     from jax._src.pallas.triton import gpu_info, pallas_call_registration
     monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
                         lambda: gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200))
-    monkeypatch.setattr(DA, "PV_MODE", "bf16x2")
+    monkeypatch.setattr(DA, "PV_MODE", pv_mode)
+    monkeypatch.setattr(DA, "FP8_PTX", fp8_ptx)
     pos, active = jnp.array([3, 40], jnp.int32), jnp.array([True, False])
     h = jnp.zeros((2, CFG.hidden_size), jnp.bfloat16)
     full = full_cache(jax.random.key(0), 2)
@@ -388,6 +391,8 @@ def test_values_dot_in_bf16_parts_lowers_to_triton(monkeypatch):
         fn = lambda c: DA.attention_block_decode(h, layer, c, pos, active, CFG, sliding, 1 if sliding else 4, 64)
         text = jax.jit(fn).trace(cache).lower(lowering_platforms=("cuda",)).as_text()
         assert "__gpu$xla.gpu.triton" in text
+        if not sliding:
+            assert (DA._BF16_2POW120 in text) == fp8_ptx
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
