@@ -259,7 +259,7 @@ def test_attention_block_decode_fp8_full_cache(amplify):
         assert np.abs(v).max() < 448.0
 
 
-def test_values_dot_rounding_modes():
+def test_values_dot_rounding_modes(monkeypatch):
     """PV_MODE's values dot, alone, against an FP64 product: "bf16x2" (p split into two BF16 parts) is close to
     FP32 rounding (p to about 16 bits), "bf16" rounds p to 8 bits, so its error is far larger; an unknown mode
     is refused by name."""
@@ -269,21 +269,14 @@ def test_values_dot_rounding_modes():
     exact = np.asarray(p, np.float64) @ np.asarray(v.astype(jnp.float32), np.float64)
     errors = {}
     for mode in ("bf16x2", "bf16"):
-        DA_mode = DA.PV_MODE
-        try:
-            DA.PV_MODE = mode
-            errors[mode] = np.abs(np.asarray(DA._values_dot(p, v), np.float64) - exact).max()
-        finally:
-            DA.PV_MODE = DA_mode
+        monkeypatch.setattr(DA, "PV_MODE", mode)
+        errors[mode] = np.abs(np.asarray(DA._values_dot(p, v), np.float64) - exact).max()
     scale = np.abs(exact).max()
     assert errors["bf16x2"] < 2.0 ** -14 * scale
     assert errors["bf16"] > 8 * errors["bf16x2"]
-    try:
-        DA.PV_MODE = "fp16"
-        with pytest.raises(ValueError, match="PV_MODE must be one of"):
-            DA._values_dot(p, v)
-    finally:
-        DA.PV_MODE = DA_mode
+    monkeypatch.setattr(DA, "PV_MODE", "fp16")
+    with pytest.raises(ValueError, match="PV_MODE must be one of"):
+        DA._values_dot(p, v)
 
 
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
