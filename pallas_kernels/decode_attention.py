@@ -114,8 +114,7 @@ def _as_vector(cond, n: int):
 # permute puts each byte in its lane's high byte, a shift and two masks place the magnitude bits (e e e e m m m) in
 # BF16 bits 10..4 and keep the sign in bit 15, which is exactly E4M3(x) * 2^-120 (E4M3's subnormals become BF16
 # subnormals), and one BF16x2 FMA multiplies by 2^120 (exact: the product is the E4M3 value). Values for the FP32
-# operand take their BF16 lane into the high half of a register. Same values as the casts, and fewer conversion
-# instructions (Triton's casts take 2 per value), yet slower: measured in one run on the H200 (run EO,
+# operand take their BF16 lane into the high half of a register. Same values as the casts, yet slower: measured in one run on the H200 (run EO,
 # docs/BENCHMARKS.md, NVFP4 step at 100K), the full-layer kernel took 53.6 us per layer with the PTX and 48.8 us
 # with the casts at batch 1, 390 and 350 us at batch 8 (BF16 caches: 52.5 us at batch 1). Triton places its own
 # casts after the tile is in the dot's operand layout, likely, while the inline assembly is pinned to the layout the

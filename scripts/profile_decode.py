@@ -63,7 +63,6 @@ def _variants():
         # key block's softmax; with attn_two_waves twice the programs (an FP8 cache's stages take half the shared
         # memory, so more programs fit on an SM)
         "attn_warps2": [(DA, "NUM_WARPS", 2)],
-        "attn_warps1": [(DA, "NUM_WARPS", 1)],
         # the values' dot (rings and full layers): two BF16 dots on p's hi and lo parts, V as BF16 (no FP32 copy);
         # or one BF16 dot (p rounded to BF16: coarser than the reference, a probe of what the dot costs)
         "attn_pv_bf16x2": [(DA, "PV_MODE", "bf16x2")],

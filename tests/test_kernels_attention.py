@@ -184,6 +184,27 @@ def test_default_splits():
 
 # ---- the whole block against model.attention_block ---------------------------------------------------------------
 
+def check_two_decode_steps(block, layer, cache, lengths, sliding: bool, seed: int, check_caches: bool = True):
+    """Two fused decode steps from `cache` at `lengths` (sequence 1 inactive in the first step) by `block` and by
+    the reference: each step's h, and (check_caches) the caches, against the reference's."""
+    B = len(lengths)
+    cache_ref = cache
+    pos = jnp.asarray(lengths, jnp.int32)
+    for step in range(2):
+        h = jax.random.normal(jax.random.key(seed + step), (B, CFG.hidden_size)).astype(jnp.bfloat16)
+        active = jnp.array([True, step != 0, True, True])
+        got, cache = block(h, layer, cache, pos, active, cfg=CFG, sliding=sliding, splits=None if sliding else 4,
+                           min_chunk=None if sliding else 64)
+        ref, cache_ref = block_r(h, layer, cache_ref, pos, active, cfg=CFG, sliding=sliding)
+        assert_out_close(got, ref)
+        if check_caches:
+            assert_ulp_close(cache.k, cache_ref.k)
+            assert_ulp_close(cache.v, cache_ref.v)
+            if sliding:
+                np.testing.assert_array_equal(np.asarray(cache.pos), np.asarray(cache_ref.pos))
+        pos = pos + active.astype(jnp.int32)
+
+
 @pytest.mark.parametrize("weights,sliding", [("bf16", True), ("nvfp4", True), ("nvfp4", False)],
                          ids=["ring-bf16", "ring-nvfp4", "full-nvfp4"])
 def test_attention_block_decode_steps(weights, sliding):
@@ -191,23 +212,9 @@ def test_attention_block_decode_steps(weights, sliding):
     boundaries), one sequence inactive in the first step; each step's h and cache against the reference's."""
     layer = params(weights).layers[0 if sliding else 1]
     lengths = [0, W - 1, W, 3 * W + 2] if sliding else [0, 63, 64, 190]
-    B = len(lengths)
     cache = ring_cache(jax.random.key(10), [n - 1 for n in lengths]) if sliding else full_cache(
-        jax.random.key(10), B)
-    cache_ref = cache
-    pos = jnp.asarray(lengths, jnp.int32)
-    for step in range(2):
-        h = jax.random.normal(jax.random.key(20 + step), (B, CFG.hidden_size)).astype(jnp.bfloat16)
-        active = jnp.array([True, step != 0, True, True])
-        got, cache = block_k(h, layer, cache, pos, active, cfg=CFG, sliding=sliding, splits=None if sliding else 4,
-                             min_chunk=None if sliding else 64)
-        ref, cache_ref = block_r(h, layer, cache_ref, pos, active, cfg=CFG, sliding=sliding)
-        assert_out_close(got, ref)
-        assert_ulp_close(cache.k, cache_ref.k)
-        assert_ulp_close(cache.v, cache_ref.v)
-        if sliding:
-            np.testing.assert_array_equal(np.asarray(cache.pos), np.asarray(cache_ref.pos))
-        pos = pos + active.astype(jnp.int32)
+        jax.random.key(10), len(lengths))
+    check_two_decode_steps(block_k, layer, cache, lengths, sliding, seed=20)
 
 
 FP8 = jnp.float8_e4m3fn
@@ -288,23 +295,13 @@ def test_values_dot_in_bf16_parts_decodes_like_the_reference(monkeypatch, kv_dty
     for sliding in ((True, False) if kv_dtype == "bf16" else (False,)):
         layer = params("nvfp4").layers[0 if sliding else 1]
         lengths = [0, W - 1, W, 3 * W + 2] if sliding else [0, 63, 64, 190]
-        B = len(lengths)
         if sliding:
             cache = ring_cache(jax.random.key(41), [n - 1 for n in lengths])
         else:
-            cache = full_cache(jax.random.key(41), B)
+            cache = full_cache(jax.random.key(41), len(lengths))
             if kv_dtype == "fp8":
                 cache = FullCache(k=to_cache_values(cache.k, FP8), v=to_cache_values(cache.v, FP8))
-        cache_ref = cache
-        pos = jnp.asarray(lengths, jnp.int32)
-        for step in range(2):
-            h = jax.random.normal(jax.random.key(42 + step), (B, CFG.hidden_size)).astype(jnp.bfloat16)
-            active = jnp.array([True, step != 0, True, True])
-            got, cache = block(h, layer, cache, pos, active, cfg=CFG, sliding=sliding,
-                               splits=None if sliding else 4, min_chunk=None if sliding else 64)
-            ref, cache_ref = block_r(h, layer, cache_ref, pos, active, cfg=CFG, sliding=sliding)
-            assert_out_close(got, ref)
-            pos = pos + active.astype(jnp.int32)
+        check_two_decode_steps(block, layer, cache, lengths, sliding, seed=42, check_caches=False)
 
 
 def test_ring_caches_must_stay_bf16():
