@@ -41,7 +41,7 @@ from flint_jax.pallas_kernels.attention_prologue import (ROWS, check_cache, fini
 from flint_jax.pallas_kernels.weight_tiles import pow2_rows
 from flint_jax.state import FullCache, RingCache, through_cache
 
-F32, BF16 = jnp.float32, jnp.bfloat16
+F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 NEG_INF = float("-inf")
 
 BLOCK_K = 64  # keys per step
@@ -121,6 +121,17 @@ def _as_vector(cond, n: int):
 # tile is loaded in (not checked in the IR).
 FP8_PTX = False
 _BF16_2POW120 = "0x7B807B80"  # 2^120 in both BF16 lanes
+# FP8 caches: the dots in FP16 instead of BF16 (scores) and TF32 (values). Every E4M3 value is a normal FP16 value,
+# so an FP16 tile holds the cache exactly, and E4M3 -> FP16 is one conversion per two values (cvt.rn.f16x2.e4m3x2,
+# sm_89 on), where BF16 and FP32 take a further conversion. FP8_HALF_SCORES: q . k on FP16 operands; q (BF16) is
+# exact in FP16 for 2^-14 <= |q| < 65520: smaller elements become FP16 subnormals (absolute error <= 2^-25), and
+# a head-normed q stays below sqrt(head_dim) * max|q_norm| (11.4 * max|q_norm| for Flint: no overflow while the norm
+# weights stay below 5,700). FP8_HALF_VALUES: p @ V with p scaled by P_SCALE = 2^15 and rounded to FP16: 11
+# significant bits, like TF32's (p <= 1: no overflow; p below 2^-29 of the running maximum keeps fewer bits, below
+# 2^-40 none), V exact; the product is scaled back by 2^-15, exactly.
+FP8_HALF_SCORES = False
+FP8_HALF_VALUES = False
+P_SCALE = 2.0 ** 15
 
 
 def _fp8_pair_ptx(src: str, sel: str) -> str:
@@ -147,9 +158,9 @@ def _fp8_ptx(to_f32: bool) -> str:
 
 
 def _from_cache(x, dtype, ptx: bool):
-    """A cache tile as `dtype` (BF16 for the score dot, FP32 for the values' dot): BF16 tiles by a cast, FP8 tiles
-    (an FP8 full cache) exactly, by inline PTX where `ptx` (compiled) and FP8_PTX, else by a cast."""
-    if x.dtype == BF16 or not (ptx and FP8_PTX):
+    """A cache tile as `dtype` (a dot's operand type: BF16, FP16 or FP32): BF16 tiles by a cast, FP8 tiles (an FP8
+    full cache) exactly, to BF16 or FP32 by inline PTX where `ptx` (compiled) and FP8_PTX, else by a cast."""
+    if x.dtype == BF16 or dtype == F16 or not (ptx and FP8_PTX):
         return x.astype(dtype)
     n_out = 4 if dtype == F32 else 2
     out = jax.ShapeDtypeStruct(x.shape, dtype)
@@ -158,15 +169,25 @@ def _from_cache(x, dtype, ptx: bool):
                                         result_shape_dtypes=[out])[0]
 
 
-def _value_dtype():
-    """The dtype the values' dot takes V in (PV_MODE)."""
+def _value_dtype(cache_dtype=BF16):
+    """The dtype the values' dot takes V in: FP16 for an FP8 cache where FP8_HALF_VALUES, else as PV_MODE says."""
     if PV_MODE not in PV_MODES:
         raise ValueError(f"decode_attention.PV_MODE must be one of {PV_MODES}, got {PV_MODE!r}")
+    if cache_dtype != BF16 and FP8_HALF_VALUES:
+        return F16
     return F32 if PV_MODE == "tf32" else BF16
 
 
+def _score_dtype(cache_dtype=BF16):
+    """The dtype of the score dot's operands (q and the K tiles): FP16 for an FP8 cache where FP8_HALF_SCORES."""
+    return F16 if cache_dtype != BF16 and FP8_HALF_SCORES else BF16
+
+
 def _values_dot(p, vb):
-    """p [ROWS, BK] (FP32) @ vb [BK, D] in FP32, rounded as PV_MODE says."""
+    """p [ROWS, BK] (FP32) @ vb [BK, D] in FP32: on FP16 V (an FP8 cache), p * P_SCALE rounded to FP16 and the
+    product scaled back (exact: powers of two); otherwise rounded as PV_MODE says."""
+    if vb.dtype == F16:
+        return plgpu.dot((p * P_SCALE).astype(F16), vb) * (1.0 / P_SCALE)
     if _value_dtype() == F32:
         return plgpu.dot(p, vb.astype(F32), allow_tf32=True)
     vb = vb.astype(BF16)
@@ -303,9 +324,12 @@ def _attn_kernel(*refs, mode, ring, sliding, B, Hq, KV, G, D, window, n_slots, s
     # Key range of this program. Old keys only in fused mode (the new one is already in the state).
     q_pos = jnp.where(active, pos, -1)
 
+    score_dtype = _score_dtype(k_ref.dtype)
+    qd1, qd2 = q1.astype(score_dtype), q2.astype(score_dtype)  # the score dot's q (rings: BF16 as computed)
+
     def attend_block(carry, kb1, kb2, vb, ok):
         m, l, acc = carry
-        sc = (plgpu.dot(q1, kb1, trans_b=True) + plgpu.dot(q2, kb2, trans_b=True)) * inv_sqrt_d  # [ROWS, BK]
+        sc = (plgpu.dot(qd1, kb1, trans_b=True) + plgpu.dot(qd2, kb2, trans_b=True)) * inv_sqrt_d  # [ROWS, BK]
         sc = jnp.where(ok[None, :], sc, NEG_INF)
         m_new = jnp.maximum(m, jnp.max(sc, axis=1))
         m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
@@ -355,8 +379,9 @@ def _attn_kernel(*refs, mode, ring, sliding, B, Hq, KV, G, D, window, n_slots, s
             kb1 = plgpu.load(k_ref.at[b, kv, pl.ds(t0, BLOCK_K), pl.ds(0, dh)], mask=rmask, other=0.0)
             kb2 = plgpu.load(k_ref.at[b, kv, pl.ds(t0, BLOCK_K), pl.ds(dh, dh)], mask=rmask, other=0.0)
             vb = plgpu.load(v_ref.at[b, kv, pl.ds(t0, BLOCK_K), :], mask=rmask, other=0.0)
-            return attend_block(carry, _from_cache(kb1, BF16, compiled), _from_cache(kb2, BF16, compiled),
-                                _from_cache(vb, _value_dtype(), compiled), (t0 + idx0) < hi)
+            return attend_block(carry, _from_cache(kb1, score_dtype, compiled),
+                                _from_cache(kb2, score_dtype, compiled),
+                                _from_cache(vb, _value_dtype(k_ref.dtype), compiled), (t0 + idx0) < hi)
 
         m, l, acc = jax.lax.fori_loop(0, n_blocks, body, (m, l, acc))
 

@@ -69,6 +69,11 @@ def _variants():
         "attn_pv_bf16": [(DA, "PV_MODE", "bf16")],
         "fp8_casts": [(DA, "FP8_PTX", False)],  # an FP8 cache decoded by Triton's casts (the default since run EO)
         "fp8_ptx": [(DA, "FP8_PTX", True)],  # an FP8 cache decoded by inline PTX (the default of runs EK-EN)
+        # an FP8 cache's dots on FP16 operands (E4M3 -> FP16 is one conversion per two values): both, or one of them
+        "fp8_f16": [(DA, "FP8_HALF_SCORES", True), (DA, "FP8_HALF_VALUES", True)],
+        "fp8_f16_scores": [(DA, "FP8_HALF_SCORES", True)],
+        "fp8_f16_values": [(DA, "FP8_HALF_VALUES", True)],
+        "fp8_bf16": [(DA, "FP8_HALF_SCORES", False), (DA, "FP8_HALF_VALUES", False)],  # BF16 scores, TF32 values
         "ring_warps4": [(DA, "RING_NUM_WARPS", 4)],  # the ring kernels as before run BD
         "attn_splits64": [(DA, "MAX_SPLITS", 64)],  # run O's variant; the default since (one wave at B = 1)
         "attn_stages4": [(DA, "NUM_STAGES", 4)],

@@ -304,6 +304,44 @@ def test_values_dot_in_bf16_parts_decodes_like_the_reference(monkeypatch, kv_dty
         check_two_decode_steps(block, layer, cache, lengths, sliding, seed=42, check_caches=False)
 
 
+def test_values_dot_in_fp16_keeps_small_probabilities():
+    """An FP8 cache's values dot in FP16 (FP8_HALF_VALUES): p is scaled by P_SCALE before rounding to FP16, so
+    probabilities far below FP16's normal range (here ~2^-20 of the maximum) keep 11 significant bits, as TF32
+    keeps them; the result is close to FP64 and far closer than p rounded to BF16."""
+    kp, kv = jax.random.split(jax.random.key(43))
+    v = to_cache_values(3 * jax.random.normal(kv, (64, 128)), FP8).astype(jnp.float16)  # FP8 values, exact in FP16
+    p_soft = jax.nn.softmax(3 * jax.random.normal(kp, (16, 64)), axis=1)
+    p_small = 2.0 ** -20 * (1 + jax.random.uniform(kp, (16, 64)))
+    for p in (p_soft, p_small):
+        exact = np.asarray(p, np.float64) @ np.asarray(v.astype(jnp.float32), np.float64)
+        scale = np.abs(np.asarray(p, np.float64)) @ np.abs(np.asarray(v.astype(jnp.float32), np.float64))
+        got = np.asarray(DA._values_dot(p, v), np.float64)
+        assert (np.abs(got - exact) / scale).max() < 2.0 ** -11  # p's rounding: half an ulp of 11 bits at most
+        p_bf16 = np.asarray(p.astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+        coarse = p_bf16 @ np.asarray(v.astype(jnp.float32), np.float64)
+        assert np.abs(got - exact).max() * 4 < np.abs(coarse - exact).max()
+
+
+@pytest.mark.parametrize("scores,values", [(True, True), (True, False), (False, True)],
+                         ids=["fp16-dots", "fp16-scores", "fp16-values"])
+def test_fp8_cache_dots_in_fp16_decode_like_the_reference(monkeypatch, scores, values):
+    """FP8_HALF_SCORES / FP8_HALF_VALUES: the fused decode on an FP8 full cache (4 splits) with either dot or both
+    on FP16 operands, two steps against the reference, as with the default BF16 / TF32 dots. Rings are BF16
+    caches: the knobs leave them alone (a sliding layer checked too)."""
+    monkeypatch.setattr(DA, "FP8_HALF_SCORES", scores)
+    monkeypatch.setattr(DA, "FP8_HALF_VALUES", values)
+    block = _jit(DA.attention_block_decode, "cfg", "sliding", "splits", "min_chunk")  # a fresh trace sees the knobs
+    for sliding in (False, True):
+        layer = params("nvfp4").layers[0 if sliding else 1]
+        lengths = [0, W - 1, W, 3 * W + 2] if sliding else [0, 63, 64, 190]
+        if sliding:
+            cache = ring_cache(jax.random.key(44), [n - 1 for n in lengths])
+        else:
+            cache = full_cache(jax.random.key(44), len(lengths))
+            cache = FullCache(k=to_cache_values(cache.k, FP8), v=to_cache_values(cache.v, FP8))
+        check_two_decode_steps(block, layer, cache, lengths, sliding, seed=45, check_caches=sliding)
+
+
 def test_ring_caches_must_stay_bf16():
     """kv_dtype applies to the full layers; an FP8 ring is refused with a message that says so."""
     layer = params("nvfp4").layers[0]
@@ -363,15 +401,19 @@ def test_kernels_lower_to_triton_for_h200(monkeypatch):
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-@pytest.mark.parametrize("pv_mode,fp8_ptx", [("bf16x2", False), ("tf32", True), ("bf16x2", True)])
-def test_attention_knobs_lower_to_triton(monkeypatch, pv_mode, fp8_ptx):
-    """The values dot's modes (PV_MODE) and the FP8 tiles' PTX decode (FP8_PTX, off by default) lower for the H200
-    too: a ring, and a full layer on an FP8 cache (its PTX in the IR where FP8_PTX)."""
+@pytest.mark.parametrize("pv_mode,fp8_ptx,fp8_half", [("bf16x2", False, False), ("tf32", True, False),
+                                                      ("bf16x2", True, False), ("tf32", True, True)])
+def test_attention_knobs_lower_to_triton(monkeypatch, pv_mode, fp8_ptx, fp8_half):
+    """The values dot's modes (PV_MODE), the FP8 tiles' PTX decode (FP8_PTX, off by default) and the FP16 dots on
+    FP8 caches (FP8_HALF_SCORES / _VALUES) lower for the H200 too: a ring, and a full layer on an FP8 cache (its PTX
+    in the IR where FP8_PTX and a dot still takes BF16 or FP32 tiles)."""
     from jax._src.pallas.triton import gpu_info, pallas_call_registration
     monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
                         lambda: gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200))
     monkeypatch.setattr(DA, "PV_MODE", pv_mode)
     monkeypatch.setattr(DA, "FP8_PTX", fp8_ptx)
+    monkeypatch.setattr(DA, "FP8_HALF_SCORES", fp8_half)
+    monkeypatch.setattr(DA, "FP8_HALF_VALUES", fp8_half)
     pos, active = jnp.array([3, 40], jnp.int32), jnp.array([True, False])
     h = jnp.zeros((2, CFG.hidden_size), jnp.bfloat16)
     full = full_cache(jax.random.key(0), 2)
@@ -382,7 +424,7 @@ def test_attention_knobs_lower_to_triton(monkeypatch, pv_mode, fp8_ptx):
         text = jax.jit(fn).trace(cache).lower(lowering_platforms=("cuda",)).as_text()
         assert "__gpu$xla.gpu.triton" in text
         if not sliding:
-            assert (DA._BF16_2POW120 in text) == fp8_ptx
+            assert (DA._BF16_2POW120 in text) == (fp8_ptx and not fp8_half)
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
