@@ -132,6 +132,8 @@ _BF16_2POW120 = "0x7B807B80"  # 2^120 in both BF16 lanes
 FP8_HALF_SCORES = False
 FP8_HALF_VALUES = False
 P_SCALE = 2.0 ** 15
+# Keys per block of a full layer on an FP8 cache (a multiple of BLOCK_K; the rings and BF16 caches keep BLOCK_K).
+FP8_BLOCK_K = 64
 
 
 def _fp8_pair_ptx(src: str, sel: str) -> str:
@@ -252,19 +254,25 @@ def ring_geometry(n_slots: int, splits: int) -> tuple[int, int, bool]:
     return ring_chunk(n_slots, splits), 0, False
 
 
-def split_geometry(pos, active, *, fused: bool, splits: int, min_chunk: int):
-    """How a full layer's keys are split, from the data: (length, chunk, active splits). Fused mode attends the old
-    keys [0, pos) from the cache and the new token from registers (split 0); otherwise keys [0, pos]."""
+def full_block_keys(cache_dtype) -> int:
+    """Keys per block of a full layer's loop: FP8_BLOCK_K on an FP8 cache, else BLOCK_K."""
+    return BLOCK_K if cache_dtype == BF16 else FP8_BLOCK_K
+
+
+def split_geometry(pos, active, *, fused: bool, splits: int, min_chunk: int, block_k: int):
+    """How a full layer's keys are split, from the data: (length, chunk, active splits); chunks are whole blocks of
+    block_k keys. Fused mode attends the old keys [0, pos) from the cache and the new token from registers (split
+    0); otherwise keys [0, pos]."""
     q_pos = jnp.where(active, pos, -1)
     length = jnp.maximum(q_pos if fused else q_pos + 1, 0)
-    chunk = jnp.maximum(pl.cdiv(pl.cdiv(length, splits), BLOCK_K) * BLOCK_K, min_chunk)
+    chunk = jnp.maximum(pl.cdiv(pl.cdiv(length, splits), block_k) * block_k, min_chunk)
     n_active = pl.cdiv(length, chunk)
     if fused:
         n_active = jnp.maximum(n_active, active.astype(jnp.int32))
     return length, chunk, n_active
 
 
-def _attn_kernel(*refs, mode, ring, sliding, B, Hq, KV, G, D, window, n_slots, splits, min_chunk, eps,
+def _attn_kernel(*refs, mode, ring, sliding, B, Hq, KV, G, D, window, n_slots, splits, min_chunk, block_k, eps,
                  num_refs_in, combine_here, compiled, rope_table):
     ins, outs = refs[:num_refs_in], refs[num_refs_in:]
     if combine_here:
@@ -366,19 +374,19 @@ def _attn_kernel(*refs, mode, ring, sliding, B, Hq, KV, G, D, window, n_slots, s
         m, l, acc = jax.lax.fori_loop(0, n_blocks, body, (m, l, acc))
     else:
         length, chunk, n_active = split_geometry(pos, active, fused=mode == "fused", splits=splits,
-                                                 min_chunk=min_chunk)
+                                                 min_chunk=min_chunk, block_k=block_k)
         lo = s * chunk
         hi = jnp.minimum(length, lo + chunk)
-        n_blocks = pl.cdiv(jnp.maximum(hi - lo, 0), BLOCK_K)
-        idx0 = jnp.arange(BLOCK_K)
+        n_blocks = pl.cdiv(jnp.maximum(hi - lo, 0), block_k)
+        idx0 = jnp.arange(block_k)
 
         def body(i, carry):
-            t0 = lo + i * BLOCK_K
+            t0 = lo + i * block_k
             rmask = ((t0 + idx0) < n_slots)[:, None]
             # other=0.0, not 0: the Triton lowering casts `other` to the cache's dtype, and has no int -> FP8 cast
-            kb1 = plgpu.load(k_ref.at[b, kv, pl.ds(t0, BLOCK_K), pl.ds(0, dh)], mask=rmask, other=0.0)
-            kb2 = plgpu.load(k_ref.at[b, kv, pl.ds(t0, BLOCK_K), pl.ds(dh, dh)], mask=rmask, other=0.0)
-            vb = plgpu.load(v_ref.at[b, kv, pl.ds(t0, BLOCK_K), :], mask=rmask, other=0.0)
+            kb1 = plgpu.load(k_ref.at[b, kv, pl.ds(t0, block_k), pl.ds(0, dh)], mask=rmask, other=0.0)
+            kb2 = plgpu.load(k_ref.at[b, kv, pl.ds(t0, block_k), pl.ds(dh, dh)], mask=rmask, other=0.0)
+            vb = plgpu.load(v_ref.at[b, kv, pl.ds(t0, block_k), :], mask=rmask, other=0.0)
             return attend_block(carry, _from_cache(kb1, score_dtype, compiled),
                                 _from_cache(kb2, score_dtype, compiled),
                                 _from_cache(vb, _value_dtype(k_ref.dtype), compiled), (t0 + idx0) < hi)
@@ -451,14 +459,14 @@ def _attn_kernel(*refs, mode, ring, sliding, B, Hq, KV, G, D, window, n_slots, s
 
 
 def _combine_kernel(acc_ref, m_ref, l_ref, sink_ref, pos_ref, act_ref, o_ref, *, ring, fused, splits, min_chunk,
-                    batch):
+                    block_k, batch):
     """splits: the attention kernel's split count; the partials' split axis may be longer (padded to a power of
     two), and only the first n_active entries are read. Rows of o past `batch` (padding rows) get zeros."""
     b, h = pl.program_id(0), pl.program_id(1)
 
     def row():
         _combine_row(acc_ref, m_ref, l_ref, sink_ref, pos_ref, act_ref, o_ref, b, h, ring=ring, fused=fused,
-                     splits=splits, min_chunk=min_chunk)
+                     splits=splits, min_chunk=min_chunk, block_k=block_k)
 
     if o_ref.shape[0] == batch:
         row()
@@ -471,12 +479,12 @@ def _combine_kernel(acc_ref, m_ref, l_ref, sink_ref, pos_ref, act_ref, o_ref, *,
 
 
 def _combine_row(acc_ref, m_ref, l_ref, sink_ref, pos_ref, act_ref, o_ref, b, h, *, ring, fused, splits,
-                 min_chunk):
+                 min_chunk, block_k):
     if ring:
         n_active = splits
     else:
         _, _, n_active = split_geometry(pos_ref[b], act_ref[b] != 0, fused=fused, splits=splits,
-                                        min_chunk=min_chunk)
+                                        min_chunk=min_chunk, block_k=block_k)
     live = jnp.arange(m_ref.shape[-1]) < n_active
     m = plgpu.load(m_ref.at[b, h, :], mask=live, other=NEG_INF)
     l = plgpu.load(l_ref.at[b, h, :], mask=live, other=0)
@@ -491,15 +499,15 @@ def _combine_row(acc_ref, m_ref, l_ref, sink_ref, pos_ref, act_ref, o_ref, b, h,
 
 
 def combine(acc, m, l, sinks, positions, active, *, ring: bool, fused: bool, min_chunk: int,
-            interpret: bool = False, splits: int | None = None, out_rows: int | None = None):
+            interpret: bool = False, splits: int | None = None, out_rows: int | None = None, block_k: int = BLOCK_K):
     """Fold split partials (acc [B, Hq, S, D], running max m and sum l [B, Hq, S]) and the sinks -> o bf16
     [out_rows, Hq, D] (default B; rows past B are zeros: the padding rows a decode step carries, model.Blocks.rows).
-    Only the splits that `split_geometry` says hold data are read. splits: the attention's split count (default S;
-    S may be padded past it to a power of two)."""
+    Only the splits that `split_geometry` says hold data are read (min_chunk and block_k: the attention's). splits:
+    the attention's split count (default S; S may be padded past it to a power of two)."""
     B, Hq, S, D = acc.shape
     out_rows = out_rows or B
     kernel = functools.partial(_combine_kernel, ring=ring, fused=fused, splits=splits or S, min_chunk=min_chunk,
-                               batch=B)
+                               block_k=block_k, batch=B)
     operands, in_specs = layer_stack.kernel_args([acc, m, l, sinks.astype(F32), positions.astype(jnp.int32),
                                                   active.astype(jnp.int32)])
     return pl.pallas_call(
@@ -524,6 +532,10 @@ def _attention_call(mode, first_args, cache, positions, active, sinks, cfg, slid
     min_chunk = MIN_CHUNK if min_chunk is None else min_chunk
     if min_chunk < BLOCK_K or min_chunk % BLOCK_K:
         raise ValueError(f"min_chunk must be a multiple of BLOCK_K={BLOCK_K}, got {min_chunk}")
+    block_k = BLOCK_K if ring else full_block_keys(cache.k.dtype)
+    if block_k < BLOCK_K or block_k % BLOCK_K:
+        raise ValueError(f"decode_attention.FP8_BLOCK_K must be a multiple of BLOCK_K={BLOCK_K}, got {block_k}")
+    min_chunk = -(-min_chunk // block_k) * block_k  # whole blocks
     cache_in = [cache.k, cache.v] + ([cache.pos] if ring else [])
     args = [*first_args, positions.astype(jnp.int32), active.astype(jnp.int32), sinks.astype(F32), *cache_in]
     # The kernel folds power-of-two split counts up to MAX_SPLITS_IN_KERNEL itself; any other count goes to combine.
@@ -552,7 +564,7 @@ def _attention_call(mode, first_args, cache, positions, active, sinks, cfg, slid
         aliases.update({first + i: n_out + i for i in range(len(cache_in))})
     kernel = functools.partial(_attn_kernel, mode=mode, ring=ring, sliding=sliding, B=B, Hq=Hq, KV=KV,
                                G=cfg.q_per_kv, D=D, window=cfg.sliding_window, n_slots=n_slots, splits=splits,
-                               min_chunk=min_chunk, eps=cfg.rms_norm_eps, num_refs_in=len(args),
+                               min_chunk=min_chunk, block_k=block_k, eps=cfg.rms_norm_eps, num_refs_in=len(args),
                                combine_here=combine_here, compiled=not interpret,
                                rope_table=mode == "fused" and first_args[3].ndim == 3)  # a [B, 2, D/2] table
     operands, in_specs = layer_stack.kernel_args(args)
@@ -568,7 +580,7 @@ def _attention_call(mode, first_args, cache, positions, active, sinks, cfg, slid
         o, rest = outs[0], outs[5:]
     else:
         o = combine(*outs[:3], sinks, positions, active, ring=ring, fused=mode == "fused", min_chunk=min_chunk,
-                    interpret=interpret, splits=splits, out_rows=out_rows)
+                    interpret=interpret, splits=splits, out_rows=out_rows, block_k=block_k)
         rest = outs[3:]
     if o.shape[0] < out_rows:  # o written by the attention kernel itself: pad to the caller's rows
         o = jnp.pad(o, ((0, out_rows - o.shape[0]), (0, 0), (0, 0)))

@@ -74,6 +74,10 @@ def _variants():
         "fp8_f16_scores": [(DA, "FP8_HALF_SCORES", True)],
         "fp8_f16_values": [(DA, "FP8_HALF_VALUES", True)],
         "fp8_bf16": [(DA, "FP8_HALF_SCORES", False), (DA, "FP8_HALF_VALUES", False)],  # BF16 scores, TF32 values
+        "fp8_bk64": [(DA, "FP8_BLOCK_K", 64)],  # an FP8 cache's full layers in 64-key blocks (like BF16's)
+        "fp8_bk128": [(DA, "FP8_BLOCK_K", 128)],  # the same bytes per block as BF16's 64 keys
+        "fp8_bk256": [(DA, "FP8_BLOCK_K", 256)],
+        "fp8_warps8": [(DA, "NUM_WARPS", 8)],  # full layers only (the rings keep RING_NUM_WARPS)
         "ring_warps4": [(DA, "RING_NUM_WARPS", 4)],  # the ring kernels as before run BD
         "attn_splits64": [(DA, "MAX_SPLITS", 64)],  # run O's variant; the default since (one wave at B = 1)
         "attn_stages4": [(DA, "NUM_STAGES", 4)],

@@ -322,14 +322,18 @@ def test_values_dot_in_fp16_keeps_small_probabilities():
         assert np.abs(got - exact).max() * 4 < np.abs(coarse - exact).max()
 
 
-@pytest.mark.parametrize("scores,values", [(True, True), (True, False), (False, True)],
-                         ids=["fp16-dots", "fp16-scores", "fp16-values"])
-def test_fp8_cache_dots_in_fp16_decode_like_the_reference(monkeypatch, scores, values):
-    """FP8_HALF_SCORES / FP8_HALF_VALUES: the fused decode on an FP8 full cache (4 splits) with either dot or both
-    on FP16 operands, two steps against the reference, as with the default BF16 / TF32 dots. Rings are BF16
+@pytest.mark.parametrize("scores,values,block_k", [(True, True, 64), (True, True, 128), (True, False, 64),
+                                                   (False, True, 64), (False, False, 128)],
+                         ids=["fp16-dots", "fp16-dots-128-key-blocks", "fp16-scores", "fp16-values",
+                              "bf16-tf32-128-key-blocks"])
+def test_fp8_cache_dots_in_fp16_decode_like_the_reference(monkeypatch, scores, values, block_k):
+    """FP8_HALF_SCORES / FP8_HALF_VALUES / FP8_BLOCK_K: the fused decode on an FP8 full cache (4 splits) with either
+    dot or both on FP16 operands, in blocks of 64 or 128 keys (min_chunk 64 rounded up to whole blocks: the
+    lengths cross a 128-key split), two steps against the reference, as with the BF16 / TF32 dots. Rings are BF16
     caches: the knobs leave them alone (a sliding layer checked too)."""
     monkeypatch.setattr(DA, "FP8_HALF_SCORES", scores)
     monkeypatch.setattr(DA, "FP8_HALF_VALUES", values)
+    monkeypatch.setattr(DA, "FP8_BLOCK_K", block_k)
     block = _jit(DA.attention_block_decode, "cfg", "sliding", "splits", "min_chunk")  # a fresh trace sees the knobs
     for sliding in (False, True):
         layer = params("nvfp4").layers[0 if sliding else 1]
