@@ -32,7 +32,7 @@ from flint_jax import prefill_pipeline
 from flint_jax.config import FlintConfig
 from flint_jax.params import Params
 from flint_jax.sampling import SamplingParams, sample, token_keys
-from flint_jax.state import MAX_BATCH, KVState, init_state, reset_slots
+from flint_jax.state import MAX_BATCH, KVState, init_state, kv_dtype_of, reset_slots
 
 
 @dataclasses.dataclass
@@ -237,6 +237,9 @@ class Engine:
         self.tokenizer, self.chat_template = tokenizer, chat_template
         if impl == "pallas":
             from flint_jax import pallas_path
+            if kv_dtype_of(kv_dtype) != jnp.bfloat16:
+                from flint_jax.pallas_kernels import decode_attention
+                decode_attention.check_fp16_scores(params, cfg)  # the FP8 caches' scores are FP16 dots
             missing = [k for k, v in pallas_path.coverage().items() if v != "pallas"]
             if missing:
                 warnings.warn(f"impl='pallas': no kernel yet for {', '.join(missing)}; the reference runs there")

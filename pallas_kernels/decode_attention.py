@@ -109,16 +109,16 @@ def _as_vector(cond, n: int):
     return (jnp.zeros((n,), jnp.int32) + cond.astype(jnp.int32)) > 0
 
 
-# FP8 (E4M3) cache tiles to BF16 / FP32: by Triton's casts (FP8_PTX = False, the default) or by inline PTX (True).
-# The PTX works on 32-bit registers of two BF16 lanes, as weight_tiles' NVFP4 decode does: per 2 bytes one byte
-# permute puts each byte in its lane's high byte, a shift and two masks place the magnitude bits (e e e e m m m) in
-# BF16 bits 10..4 and keep the sign in bit 15, which is exactly E4M3(x) * 2^-120 (E4M3's subnormals become BF16
-# subnormals), and one BF16x2 FMA multiplies by 2^120 (exact: the product is the E4M3 value). Values for the FP32
-# operand take their BF16 lane into the high half of a register. Same values as the casts, yet slower: measured in one run on the H200 (run EO,
-# docs/BENCHMARKS.md, NVFP4 step at 100K), the full-layer kernel took 53.6 us per layer with the PTX and 48.8 us
-# with the casts at batch 1, 390 and 350 us at batch 8 (BF16 caches: 52.5 us at batch 1). Triton places its own
-# casts after the tile is in the dot's operand layout, likely, while the inline assembly is pinned to the layout the
-# tile is loaded in (not checked in the IR).
+# FP8 (E4M3) cache tiles to BF16 / FP32, used where the FP16 dots below are off: by Triton's casts (FP8_PTX =
+# False, the default) or by inline PTX (True). The PTX works on 32-bit registers of two BF16 lanes, as weight_tiles'
+# NVFP4 decode does: per 2 bytes one byte permute puts each byte in its lane's high byte, a shift and two masks
+# place the magnitude bits (e e e e m m m) in BF16 bits 10..4 and keep the sign in bit 15, which is exactly E4M3(x) *
+# 2^-120 (E4M3's subnormals become BF16 subnormals), and one BF16x2 FMA multiplies by 2^120 (exact: the product is
+# the E4M3 value). Values for the FP32 operand take their BF16 lane into the high half of a register. Same values as
+# the casts, yet slower: measured in one run on the H200 (run EO, docs/BENCHMARKS.md, NVFP4 step at 100K), the
+# full-layer kernel took 53.6 us per layer with the PTX and 48.8 us with the casts at batch 1, 390 and 350 us at
+# batch 8 (BF16 caches: 52.5 us at batch 1). Triton places its own casts after the tile is in the dot's operand
+# layout, likely, while the inline assembly is pinned to the layout the tile is loaded in (not checked in the IR).
 FP8_PTX = False
 _BF16_2POW120 = "0x7B807B80"  # 2^120 in both BF16 lanes
 # FP8 caches: the dots in FP16 instead of BF16 (scores) and TF32 (values). Every E4M3 value is a normal FP16 value,
@@ -128,12 +128,17 @@ _BF16_2POW120 = "0x7B807B80"  # 2^120 in both BF16 lanes
 # a head-normed q stays below sqrt(head_dim) * max|q_norm| (11.4 * max|q_norm| for Flint: no overflow while the norm
 # weights stay below 5,700). FP8_HALF_VALUES: p @ V with p scaled by P_SCALE = 2^15 and rounded to FP16: 11
 # significant bits, like TF32's (p <= 1: no overflow; p below 2^-29 of the running maximum keeps fewer bits, below
-# 2^-40 none), V exact; the product is scaled back by 2^-15, exactly.
-FP8_HALF_SCORES = False
-FP8_HALF_VALUES = False
+# 2^-40 none), V exact; the product is scaled back by 2^-15, exactly. `check_fp16_scores` refuses a model whose
+# q_norm weights could overflow. FP8_BLOCK_K: keys per block of a full layer on an FP8 cache (a multiple of BLOCK_K;
+# the rings and BF16 caches keep BLOCK_K): 128 FP8 keys are the bytes of 64 BF16 ones. Measured on the H200 (runs
+# EQ, ER, docs/BENCHMARKS.md; NVFP4 step at 100K, FP8 caches, full-layer kernel per layer): batch 1 48.9 us (BF16
+# scores, TF32 values, 64 keys) -> 44.1 (FP16 values) / 43.9 (FP16 scores) / 40.2 (both) / 38.2 (both, 128 keys;
+# 256 keys: 76.3; 8 warps: 51.8), step 2.252 -> 2.110 ms; batch 8 351 -> 238 us, step 9.79 -> 8.21 ms.
+FP8_HALF_SCORES = True
+FP8_HALF_VALUES = True
 P_SCALE = 2.0 ** 15
-# Keys per block of a full layer on an FP8 cache (a multiple of BLOCK_K; the rings and BF16 caches keep BLOCK_K).
-FP8_BLOCK_K = 64
+FP8_BLOCK_K = 128
+F16_MAX = 65504.0
 
 
 def _fp8_pair_ptx(src: str, sel: str) -> str:
@@ -169,6 +174,21 @@ def _from_cache(x, dtype, ptx: bool):
     return plgpu.elementwise_inline_asm(_fp8_ptx(dtype == F32), args=[jax.lax.bitcast_convert_type(x, jnp.uint8)],
                                         constraints=",".join(["=r"] * n_out + ["r"]), pack=4,
                                         result_shape_dtypes=[out])[0]
+
+
+def check_fp16_scores(params, cfg: FlintConfig) -> None:
+    """Refuse, where FP8_HALF_SCORES, a model whose full layers' q may overflow FP16 on an FP8 cache: a head-normed
+    q element is at most sqrt(head_dim) * |q_norm| (the normed vector's RMS is 1; BF16 rounding adds 2^-8)."""
+    if not FP8_HALF_SCORES:
+        return
+    for i in cfg.full_layers:
+        w = float(jnp.max(jnp.abs(layer_stack.value(params.layers[i].attn.q_norm).astype(F32))))
+        bound = w * math.sqrt(cfg.head_dim) * (1 + 2.0 ** -8)
+        if not bound < F16_MAX:
+            raise ValueError(
+                f"layer {i} self_attn.q_norm: max |weight| {w:g} lets q reach {bound:g}, past FP16's {F16_MAX:g}; "
+                "kv_dtype='fp8' computes a full layer's scores in FP16 (decode_attention.FP8_HALF_SCORES): use "
+                "kv_dtype='bf16', or set FP8_HALF_SCORES = False")
 
 
 def _value_dtype(cache_dtype=BF16):

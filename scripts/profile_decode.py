@@ -50,6 +50,7 @@ def _variants():
     from flint_jax import pallas_path as PP
     from flint_jax.pallas_kernels import router as RT
     from flint_jax.pallas_kernels import weight_tiles as WT
+    FP8_AS_EP = [(DA, "FP8_HALF_SCORES", False), (DA, "FP8_HALF_VALUES", False), (DA, "FP8_BLOCK_K", 64)]
     return {
         "base": [],
         "prefetch": [(G, "TABLE_PREFETCH", True), (ME, "GATE_UP_BLOCK", (8, 512, 4, 3, False, True))],
@@ -67,13 +68,15 @@ def _variants():
         # or one BF16 dot (p rounded to BF16: coarser than the reference, a probe of what the dot costs)
         "attn_pv_bf16x2": [(DA, "PV_MODE", "bf16x2")],
         "attn_pv_bf16": [(DA, "PV_MODE", "bf16")],
-        "fp8_casts": [(DA, "FP8_PTX", False)],  # an FP8 cache decoded by Triton's casts (the default since run EO)
-        "fp8_ptx": [(DA, "FP8_PTX", True)],  # an FP8 cache decoded by inline PTX (the default of runs EK-EN)
-        # an FP8 cache's dots on FP16 operands (E4M3 -> FP16 is one conversion per two values): both, or one of them
+        # an FP8 cache as runs EO-EP ran it (BF16 scores, TF32 values, 64-key blocks), its tiles decoded by Triton's
+        # casts (EO-EP's default) or by inline PTX (the default of runs EK-EN)
+        "fp8_casts": [(DA, "FP8_PTX", False), *FP8_AS_EP],
+        "fp8_ptx": [(DA, "FP8_PTX", True), *FP8_AS_EP],
+        # an FP8 cache's dots on FP16 operands (E4M3 -> FP16 is one conversion per two values): both (the default
+        # since run ER, with 128-key blocks), or one of them
         "fp8_f16": [(DA, "FP8_HALF_SCORES", True), (DA, "FP8_HALF_VALUES", True)],
-        "fp8_f16_scores": [(DA, "FP8_HALF_SCORES", True)],
-        "fp8_f16_values": [(DA, "FP8_HALF_VALUES", True)],
-        "fp8_bf16": [(DA, "FP8_HALF_SCORES", False), (DA, "FP8_HALF_VALUES", False)],  # BF16 scores, TF32 values
+        "fp8_f16_scores": [(DA, "FP8_HALF_SCORES", True), (DA, "FP8_HALF_VALUES", False)],
+        "fp8_f16_values": [(DA, "FP8_HALF_SCORES", False), (DA, "FP8_HALF_VALUES", True)],
         "fp8_bk64": [(DA, "FP8_BLOCK_K", 64)],  # an FP8 cache's full layers in 64-key blocks (like BF16's)
         "fp8_bk128": [(DA, "FP8_BLOCK_K", 128)],  # the same bytes per block as BF16's 64 keys
         "fp8_bk256": [(DA, "FP8_BLOCK_K", 256)],

@@ -68,6 +68,26 @@ def test_fp8_kv_cache_engine(tiny_cfg, tiny_params):
         Engine(tiny_cfg, tiny_params, max_batch=1, max_len=32, kv_dtype="fp16")
 
 
+def test_fp8_kv_cache_refuses_q_norm_past_fp16(monkeypatch, tiny_cfg, tiny_params):
+    """The Pallas path computes an FP8 cache's scores in FP16 (decode_attention.FP8_HALF_SCORES): Engine refuses a
+    model whose full layers' q_norm weights could push q past FP16's range, naming the layer and tensor; the same
+    model is accepted with BF16 caches, and with the knob off."""
+    import dataclasses
+    from flint_jax.pallas_kernels import decode_attention as DA
+    i = tiny_cfg.full_layers[-1]
+    layer = tiny_params.layers[i]
+    big = layer.attn.q_norm.at[3].set(-32768.0)  # sqrt(head_dim) * 2^15 > 65504 for head_dim >= 4
+    layers = list(tiny_params.layers)
+    layers[i] = dataclasses.replace(layer, attn=dataclasses.replace(layer.attn, q_norm=big))
+    params = dataclasses.replace(tiny_params, layers=tuple(layers))
+    Engine(tiny_cfg, tiny_params, max_batch=1, max_len=32, impl="pallas", kv_dtype="fp8")
+    with pytest.raises(ValueError, match=rf"layer {i} self_attn.q_norm: max \|weight\| 32768 "):
+        Engine(tiny_cfg, params, max_batch=1, max_len=32, impl="pallas", kv_dtype="fp8")
+    Engine(tiny_cfg, params, max_batch=1, max_len=32, impl="pallas", kv_dtype="bf16")
+    monkeypatch.setattr(DA, "FP8_HALF_SCORES", False)
+    Engine(tiny_cfg, params, max_batch=1, max_len=32, impl="pallas", kv_dtype="fp8")
+
+
 def test_pallas_prefill_program_compiles_once_across_requests():
     """In a fresh process, the engine's prefill programs (two segments on the tiny config) compile on the first
     request only. Pallas' interpret mode

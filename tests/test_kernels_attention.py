@@ -289,8 +289,10 @@ def test_values_dot_rounding_modes(monkeypatch):
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
 def test_values_dot_in_bf16_parts_decodes_like_the_reference(monkeypatch, kv_dtype):
     """PV_MODE="bf16x2" in the fused decode: a sliding layer (ring) and a full layer (BF16 or FP8 cache, 4 splits),
-    two steps each, against the reference, as with the default TF32 values dot."""
+    two steps each, against the reference, as with the default TF32 values dot. (An FP8 cache takes PV_MODE only
+    with FP8_HALF_VALUES off.)"""
     monkeypatch.setattr(DA, "PV_MODE", "bf16x2")
+    monkeypatch.setattr(DA, "FP8_HALF_VALUES", False)
     block = _jit(DA.attention_block_decode, "cfg", "sliding", "splits", "min_chunk")  # a fresh trace sees the mode
     for sliding in ((True, False) if kv_dtype == "bf16" else (False,)):
         layer = params("nvfp4").layers[0 if sliding else 1]

@@ -45,11 +45,14 @@ def test_pallas_decode_matches_the_reference(weights, tiny_cfg, tiny_params, tin
 
 def test_fp8_kv_cache_decode_pallas_matches_xla(tiny_cfg, tiny_params):
     """kv_dtype="fp8" (state.KV_DTYPES): prefill by the reference, then decode steps past the ring's wrap, on the
-    Pallas kernels and on the XLA reference, both over FP8 full caches: the same logits (BF16 weights, interpret
-    mode: as test_pallas_decode_matches_the_reference's BF16 bound). Against BF16 caches the logits move (the cache
-    really holds FP8): measured RMS 4.8% of the logits' RMS on this random tiny model, with one of the 8 (row, step)
-    off by 0.39 of a 3.4 range (a routing flip, which this tiny MoE makes from small noise: scripts/
-    diag_routing_flips.py); the test allows 10%."""
+    Pallas kernels and on the XLA reference, both over FP8 full caches: the same logits within 2% of their range on
+    the CPU (BF16 weights, interpret mode). Not the 0.1% of test_pallas_decode_matches_the_reference's BF16 bound:
+    the FP8 caches' values dot rounds p to FP16 (decode_attention.FP8_HALF_VALUES: 11 significant bits, as the GPU's
+    TF32 does), which flips a layer output's BF16 rounding now and then (one ulp, in ~4% of a block's outputs on
+    this model), and the tiny random MoE carries that to 0.9% of the logits' range. Against BF16 caches the logits
+    move (the cache really holds FP8): measured RMS 4.8% of the logits' RMS on this random tiny model, with one of
+    the 8 (row, step) off by 0.39 of a 3.4 range (a routing flip, which this tiny MoE makes from small noise:
+    scripts/diag_routing_flips.py); the test allows 10%."""
     cfg, params = tiny_cfg, tiny_params
     n_prompt, n_decode = 4, 4
     toks = jax.random.randint(jax.random.key(2), (2, n_prompt + n_decode), 0, cfg.vocab_size)
@@ -66,7 +69,7 @@ def test_fp8_kv_cache_decode_pallas_matches_xla(tiny_cfg, tiny_params):
         logits[kv_dtype, impl] = np.asarray(jnp.concatenate(outs, axis=1))
     ref = logits["fp8", "xla"]
     scale = float(np.abs(ref).max())
-    tol = 1e-3 if jax.default_backend() == "cpu" else 0.05
+    tol = 0.02 if jax.default_backend() == "cpu" else 0.05
     np.testing.assert_allclose(logits["fp8", "pallas"], ref, atol=tol * scale, rtol=0)
     diff = logits["bf16", "xla"] - ref
     rel = float(np.sqrt(np.mean(diff ** 2) / np.mean(ref ** 2)))
