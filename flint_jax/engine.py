@@ -205,7 +205,8 @@ class Engine:
     dispatch overlaps the device's work (flint_jax.prefill_pipeline; () runs each chunk as one program).
     kv_dtype: the full-context layers' KV cache element type, "bf16" (default, the model's own numerics) or "fp8"
     (E4M3, no scale, saturating: half the memory and half the bytes a long-context step reads; state.KV_DTYPES).
-    The sliding layers' rings stay BF16.
+    The sliding layers' rings stay BF16. With impl="pallas" an FP8 cache's scores are FP16 dots: a model whose
+    q_norm weights could push q past FP16's range is refused (decode_attention.check_fp16_scores).
     """
 
     def __init__(self, cfg: FlintConfig, params: Params, *, max_batch: int = MAX_BATCH, max_len: int = 2048,
