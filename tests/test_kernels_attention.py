@@ -286,6 +286,20 @@ def test_values_dot_rounding_modes(monkeypatch):
         DA._values_dot(p, v)
 
 
+def block_case(sliding: bool, seed: int, fp8: bool = False):
+    """(layer, cache, lengths) for check_two_decode_steps, NVFP4 weights: a sliding layer's ring at lengths around
+    the window and its wrap, or a full layer's cache (BF16, or FP8 where fp8; rings stay BF16) at lengths around
+    64-key splits."""
+    layer = params("nvfp4").layers[0 if sliding else 1]
+    lengths = [0, W - 1, W, 3 * W + 2] if sliding else [0, 63, 64, 190]
+    if sliding:
+        return layer, ring_cache(jax.random.key(seed), [n - 1 for n in lengths]), lengths
+    cache = full_cache(jax.random.key(seed), len(lengths))
+    if fp8:
+        cache = FullCache(k=to_cache_values(cache.k, FP8), v=to_cache_values(cache.v, FP8))
+    return layer, cache, lengths
+
+
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
 def test_values_dot_in_bf16_parts_decodes_like_the_reference(monkeypatch, kv_dtype):
     """PV_MODE="bf16x2" in the fused decode: a sliding layer (ring) and a full layer (BF16 or FP8 cache, 4 splits),
@@ -295,14 +309,7 @@ def test_values_dot_in_bf16_parts_decodes_like_the_reference(monkeypatch, kv_dty
     monkeypatch.setattr(DA, "FP8_HALF_VALUES", False)
     block = _jit(DA.attention_block_decode, "cfg", "sliding", "splits", "min_chunk")  # a fresh trace sees the mode
     for sliding in ((True, False) if kv_dtype == "bf16" else (False,)):
-        layer = params("nvfp4").layers[0 if sliding else 1]
-        lengths = [0, W - 1, W, 3 * W + 2] if sliding else [0, 63, 64, 190]
-        if sliding:
-            cache = ring_cache(jax.random.key(41), [n - 1 for n in lengths])
-        else:
-            cache = full_cache(jax.random.key(41), len(lengths))
-            if kv_dtype == "fp8":
-                cache = FullCache(k=to_cache_values(cache.k, FP8), v=to_cache_values(cache.v, FP8))
+        layer, cache, lengths = block_case(sliding, seed=41, fp8=kv_dtype == "fp8")
         check_two_decode_steps(block, layer, cache, lengths, sliding, seed=42, check_caches=False)
 
 
@@ -338,13 +345,7 @@ def test_fp8_cache_dots_in_fp16_decode_like_the_reference(monkeypatch, scores, v
     monkeypatch.setattr(DA, "FP8_BLOCK_K", block_k)
     block = _jit(DA.attention_block_decode, "cfg", "sliding", "splits", "min_chunk")  # a fresh trace sees the knobs
     for sliding in (False, True):
-        layer = params("nvfp4").layers[0 if sliding else 1]
-        lengths = [0, W - 1, W, 3 * W + 2] if sliding else [0, 63, 64, 190]
-        if sliding:
-            cache = ring_cache(jax.random.key(44), [n - 1 for n in lengths])
-        else:
-            cache = full_cache(jax.random.key(44), len(lengths))
-            cache = FullCache(k=to_cache_values(cache.k, FP8), v=to_cache_values(cache.v, FP8))
+        layer, cache, lengths = block_case(sliding, seed=44, fp8=True)  # the ring stays BF16
         check_two_decode_steps(block, layer, cache, lengths, sliding, seed=45, check_caches=sliding)
 
 
