@@ -13,6 +13,7 @@ values a thread takes per K step.
     python scripts/kernel_sass.py --out /tmp/sass --n 2048 --k 4096 --rows 8 --block 32,256,2,3,1
     python scripts/kernel_sass.py --out /tmp/sass --mode logits --n 151552 --k 2048 --norm
     python scripts/kernel_sass.py --out /tmp/sass --moe three               # every kernel of the MoE block
+    python scripts/kernel_sass.py --out /tmp/sass --attention fp8           # a full layer's attention block
 """
 
 from __future__ import annotations
@@ -104,11 +105,57 @@ def capture_moe_ttirs(variant: str, weights: str, rows: int) -> list[tuple[str, 
     finally:
         for k, v in saved.items():
             setattr(moe_experts, k, v)
-    # the custom calls' attributes, in program order: name, num_stages, num_warps
+    return lowered_calls(text, captured)
+
+
+# A full layer's attention block (qkv_projection, the fused decode attention, combine, output projection) on a full
+# cache of this KV dtype, with these decode_attention knobs.
+ATTENTION_VARIANTS = {
+    "bf16": ("bf16", {}),
+    "fp8": ("fp8", {}),  # the defaults: FP16 dots, 128-key blocks (runs EQ-ER)
+    "fp8_as_ep": ("fp8", {"FP8_HALF_SCORES": False, "FP8_HALF_VALUES": False, "FP8_BLOCK_K": 64}),
+    "fp8_bk64": ("fp8", {"FP8_BLOCK_K": 64}),
+}
+
+
+def lowered_calls(text: str, captured: list) -> list[tuple[str, str, int, int]]:
+    """(kernel name, Triton IR, num_warps, num_stages) per Triton kernel of a lowering's text, in program order."""
     calls = re.findall(r'name = "([^"]+)".*?num_stages = (\d+) : i32, num_warps = (\d+) : i32', text, re.S)
     if len(calls) != len(captured):
         raise SystemExit(f"kernel_sass: {len(captured)} Triton modules but {len(calls)} calls in the lowering")
     return [(name, ir, int(warps), int(stages)) for (name, stages, warps), ir in zip(calls, captured)]
+
+
+def capture_attention_ttirs(variant: str, weights: str, rows: int, context: int) -> list[tuple[str, str, int, int]]:
+    """Every kernel of a full layer's decode attention block at the Flint shape (abstract parameters, a full cache
+    of `context` tokens) with the cache dtype and knobs of ATTENTION_VARIANTS[variant]."""
+    from flint_jax.config import FlintConfig
+    from flint_jax.params import init_params
+    from flint_jax.pallas_kernels import decode_attention
+    from flint_jax.pallas_path import lowering_for_gpu
+    from flint_jax.state import FullCache, kv_dtype_of
+
+    kv_dtype, knobs = ATTENTION_VARIANTS[variant]
+    cfg = FlintConfig.flint(num_hidden_layers=7)
+    params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0), weights))
+    layer = params.layers[cfg.full_layers[0]]
+    kv = jax.ShapeDtypeStruct((rows, cfg.num_key_value_heads, context, cfg.head_dim), kv_dtype_of(kv_dtype))
+    h = jax.ShapeDtypeStruct((rows, cfg.hidden_size), jnp.bfloat16)
+    pos = jax.ShapeDtypeStruct((rows,), jnp.int32)
+    act = jax.ShapeDtypeStruct((rows,), jnp.bool_)
+
+    def block(h, layer, k, v, pos, act):
+        return decode_attention.attention_block_decode(h, layer, FullCache(k=k, v=v), pos, act, cfg, False)
+    saved = {k: getattr(decode_attention, k) for k in knobs}
+    try:
+        for k, v in knobs.items():
+            setattr(decode_attention, k, v)
+        with capturing_triton_ir() as captured, lowering_for_gpu():
+            text = jax.jit(block).trace(h, layer, kv, kv, pos, act).lower(lowering_platforms=("cuda",)).as_text()
+    finally:
+        for k, v in saved.items():
+            setattr(decode_attention, k, v)
+    return lowered_calls(text, captured)
 
 
 def opcode_counts(sass: str) -> collections.Counter:
@@ -159,9 +206,16 @@ def main(argv=None) -> int:
     ap.add_argument("--moe", default=None, choices=tuple(MOE_VARIANTS),
                     help="instead of one GEMV: every kernel of the MoE block at the Flint shape (three kernels, or "
                          "the fused forms), with registers and spills")
+    ap.add_argument("--attention", default=None, choices=tuple(ATTENTION_VARIANTS),
+                    help="instead of one GEMV: every kernel of a full layer's decode attention block at the Flint "
+                         "shape, on a full cache of this variant's KV dtype and knobs (--rows sequences)")
+    ap.add_argument("--context", type=int, default=100_000, help="--attention: the full cache's length")
     args = ap.parse_args(argv)
     if args.moe:
-        return moe_main(args)
+        return block_main(args, f"moe_{args.moe}", capture_moe_ttirs(args.moe, args.weights, args.rows))
+    if args.attention:
+        return block_main(args, f"attention_{args.attention}",
+                          capture_attention_ttirs(args.attention, args.weights, args.rows, args.context))
     if args.n is None or args.k is None:
         ap.error("--n and --k are required (or --moe)")
     block = None
@@ -198,11 +252,12 @@ def main(argv=None) -> int:
     return 0
 
 
-def moe_main(args) -> int:
+def block_main(args, prefix: str, kernels) -> int:
+    """Write (and with Triton, compile) every kernel of a block: IR, SASS, registers and instruction count."""
     os.makedirs(args.out, exist_ok=True)
     have_triton = importlib.util.find_spec("triton") is not None and not args.ttir_only
-    for i, (name, ttir, warps, stages) in enumerate(capture_moe_ttirs(args.moe, args.weights, args.rows)):
-        stem = f"moe_{args.moe}_{args.weights}_m{args.rows}_{i}_{name}"
+    for i, (name, ttir, warps, stages) in enumerate(kernels):
+        stem = f"{prefix}_{args.weights}_m{args.rows}_{i}_{name}"
         path = os.path.join(args.out, stem + ".ttir")
         with open(path, "w") as f:
             f.write(ttir)

@@ -126,6 +126,20 @@ def test_kernel_sass_lists_the_moe_blocks_kernels(tmp_path):
     assert p.returncode != 0 and "--n and --k are required" in (p.stdout + p.stderr)
 
 
+def test_kernel_sass_lists_a_full_layers_attention_kernels(tmp_path):
+    """--attention: the four Triton kernels of a full layer's decode attention block at the Flint shape; on an FP8
+    cache with the defaults the values' dot takes FP16 operands over 128-key blocks, as EP ran it FP32 over 64."""
+    out = run_script("kernel_sass.py", "--out", str(tmp_path), "--attention", "fp8", "--ttir-only")
+    assert out.count("Triton IR ->") == 4
+    assert all(f"{name}: " in out for name in ("qkv_projection", "decode_attention_fused_full",
+                                                 "decode_attention_combine", "linear_nvfp4"))
+    ttir = next(tmp_path.glob("attention_fp8_nvfp4_m1_1_*.ttir")).read_text()
+    assert "tensor<16x128xf16> * tensor<128x128xf16>" in ttir
+    run_script("kernel_sass.py", "--out", str(tmp_path), "--attention", "fp8_as_ep", "--ttir-only")
+    ttir = next(tmp_path.glob("attention_fp8_as_ep_nvfp4_m1_1_*.ttir")).read_text()
+    assert "tensor<16x64xf32> * tensor<64x128xf32>" in ttir and "xf16>" not in ttir
+
+
 def test_dispatch_overhead_runs():
     out = run_script("dispatch_overhead.py", "--iters", "2")
     assert "nvfp4: " in out and "bf16: " in out and "parameter buffers" in out
