@@ -55,6 +55,19 @@ def capturing_triton_ir():
         reg.lowering.lower_jaxpr_to_triton_module = original
 
 
+@contextlib.contextmanager
+def knobs_set(module, knobs: dict):
+    """Within the block, the module's attributes set as `knobs` says; restored on exit."""
+    saved = {k: getattr(module, k) for k in knobs}
+    try:
+        for k, v in knobs.items():
+            setattr(module, k, v)
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(module, k, v)
+
+
 def capture_ttir(mode: str, n: int, k: int, rows: int, weights: str, block, norm: bool) -> tuple[str, object]:
     """(Triton IR text of the kernel, its Blocks), from a CUDA lowering on this machine."""
     from flint_jax import nvfp4
@@ -96,15 +109,8 @@ def capture_moe_ttirs(variant: str, weights: str, rows: int) -> list[tuple[str, 
 
     def block(h, layer):
         return moe_experts.mlp_block(h, layer, cfg)
-    saved = {k: getattr(moe_experts, k) for k in MOE_VARIANTS[variant]}
-    try:
-        for k, v in MOE_VARIANTS[variant].items():
-            setattr(moe_experts, k, v)
-        with capturing_triton_ir() as captured, lowering_for_gpu():
-            text = jax.jit(block).trace(h, layer).lower(lowering_platforms=("cuda",)).as_text()
-    finally:
-        for k, v in saved.items():
-            setattr(moe_experts, k, v)
+    with knobs_set(moe_experts, MOE_VARIANTS[variant]), capturing_triton_ir() as captured, lowering_for_gpu():
+        text = jax.jit(block).trace(h, layer).lower(lowering_platforms=("cuda",)).as_text()
     return lowered_calls(text, captured)
 
 
@@ -114,7 +120,6 @@ ATTENTION_VARIANTS = {
     "bf16": ("bf16", {}),
     "fp8": ("fp8", {}),  # the defaults: FP16 dots, 128-key blocks (runs EQ-ER)
     "fp8_as_ep": ("fp8", {"FP8_HALF_SCORES": False, "FP8_HALF_VALUES": False, "FP8_BLOCK_K": 64}),
-    "fp8_bk64": ("fp8", {"FP8_BLOCK_K": 64}),
 }
 
 
@@ -146,15 +151,8 @@ def capture_attention_ttirs(variant: str, weights: str, rows: int, context: int)
 
     def block(h, layer, k, v, pos, act):
         return decode_attention.attention_block_decode(h, layer, FullCache(k=k, v=v), pos, act, cfg, False)
-    saved = {k: getattr(decode_attention, k) for k in knobs}
-    try:
-        for k, v in knobs.items():
-            setattr(decode_attention, k, v)
-        with capturing_triton_ir() as captured, lowering_for_gpu():
-            text = jax.jit(block).trace(h, layer, kv, kv, pos, act).lower(lowering_platforms=("cuda",)).as_text()
-    finally:
-        for k, v in saved.items():
-            setattr(decode_attention, k, v)
+    with knobs_set(decode_attention, knobs), capturing_triton_ir() as captured, lowering_for_gpu():
+        text = jax.jit(block).trace(h, layer, kv, kv, pos, act).lower(lowering_platforms=("cuda",)).as_text()
     return lowered_calls(text, captured)
 
 
@@ -168,6 +166,27 @@ def opcode_counts(sass: str) -> collections.Counter:
         if m:
             counts[m.group(1)] += 1
     return counts
+
+
+def largest_loop(sass: str) -> list[str]:
+    """The instructions (full opcodes, modifiers kept, predicates dropped) of the longest loop body of a Triton SASS
+    listing: from a label to the last branch back to it. Static: one pass over the body."""
+    labels, ops = {}, []
+    for line in sass.splitlines():
+        label = re.match(r"^(\.?\w+):\s*$", line)
+        if label:
+            labels[label.group(1)] = len(ops)
+            continue
+        m = re.match(r"\S+\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)(.*)", line)  # control codes, predicate, opcode
+        if m and not line.startswith("Function"):
+            ops.append((m.group(1), m.group(2)))
+    best = (0, -1)
+    for i, (op, rest) in enumerate(ops):
+        target = re.match(r"\s+`?\(?(\.?\w+)", rest) if op == "BRA" else None
+        start = labels.get(target.group(1), i + 1) if target else i + 1
+        if start <= i and i - start > best[1] - best[0]:
+            best = (start, i)
+    return [op for op, _ in ops[best[0]:best[1] + 1]]
 
 
 def compile_sass(ttir_path: str, num_warps: int, num_stages: int) -> dict:
@@ -267,6 +286,11 @@ def block_main(args, prefix: str, kernels) -> int:
             with open(os.path.join(args.out, stem + ".sass"), "w") as f:
                 f.write(result["sass"])
             line += f"; {result['resources']}; {sum(opcode_counts(result['sass']).values())} SASS instructions"
+            loop = largest_loop(result["sass"])
+            if loop:
+                top = collections.Counter(loop).most_common(12)
+                line += (f"\n  longest loop body: {len(loop)} instructions; by opcode: "
+                         + ", ".join(f"{op} {c}" for op, c in top))
         print(line)
     if not have_triton:
         print("triton is not installed here: `pip install triton==3.6.0` (the GPU machine's version) for the SASS")

@@ -81,10 +81,6 @@ def _variants():
         "fp8_bk128": [(DA, "FP8_BLOCK_K", 128)],  # the same bytes per block as BF16's 64 keys
         "fp8_bk256": [(DA, "FP8_BLOCK_K", 256)],
         "fp8_warps8": [(DA, "NUM_WARPS", 8)],  # full layers only (the rings keep RING_NUM_WARPS)
-        # full layers: 32 splits at batch 1 (one program per SM, chunks twice as long), or 2 stages (64 KB of shared
-        # memory per FP8 program at 128-key blocks) with 3 programs per SM (99 splits at batch 1, folded by combine)
-        "attn_splits32": [(DA, "TARGET_PROGRAMS", 132)],
-        "attn_3_per_sm": [(DA, "NUM_STAGES", 2), (DA, "TARGET_PROGRAMS", 396), (DA, "ANY_SPLITS", True)],
         "ring_warps4": [(DA, "RING_NUM_WARPS", 4)],  # the ring kernels as before run BD
         "attn_splits64": [(DA, "MAX_SPLITS", 64)],  # run O's variant; the default since (one wave at B = 1)
         "attn_stages4": [(DA, "NUM_STAGES", 4)],

@@ -140,6 +140,23 @@ def test_kernel_sass_lists_a_full_layers_attention_kernels(tmp_path):
     assert "tensor<16x64xf32> * tensor<64x128xf32>" in ttir and "xf16>" not in ttir
 
 
+def test_kernel_sass_finds_the_longest_loop_body():
+    """largest_loop (the per-block counts docs/KERNELS.md quotes): the longer of two loops, from its label to the
+    last branch back to it, full opcodes with modifiers, predicates dropped; a forward branch is no loop."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        from kernel_sass import largest_loop
+    finally:
+        sys.path.pop(0)
+    sass = "\n".join(["Function:k", "--:-:1:-:1\tLDC R1, c[0x0][0x28];", "LBB0:",
+                      "--:-:-:-:1\tFADD R2, R2, R3;", "--:-:-:-:1\t@P0 BRA LBB0;", "LBB1:",
+                      "--:-:-:-:1\tLDS.U8 R4, [R5];", "--:-:-:-:1\tLDS.U8 R6, [R5+0x1];",
+                      "--:-:-:-:1\t@!P1 BRA LBB2;", "--:-:-:-:1\tHMMA.16816.F32 R8, R10, R12, R8;",
+                      "--:-:-:-:1\t@P1 BRA LBB1;", "LBB2:", "--:-:-:-:1\tEXIT;"])
+    assert largest_loop(sass) == ["LDS.U8", "LDS.U8", "BRA", "HMMA.16816.F32", "BRA"]
+    assert largest_loop("Function:k\n--:-:-:-:1\tEXIT;") == []
+
+
 def test_dispatch_overhead_runs():
     out = run_script("dispatch_overhead.py", "--iters", "2")
     assert "nvfp4: " in out and "bf16: " in out and "parameter buffers" in out
