@@ -80,7 +80,7 @@ def attention_block(h: jax.Array, layer, cache, positions: jax.Array, valid: jax
         S = cache.k.shape[2]
         k_pos = jnp.where(jnp.arange(S)[None, :] < lengths_after[:, None], jnp.arange(S)[None, :], -1)
         mask = L.attention_mask(q_pos, k_pos, None)
-        o = L.attend(q, cache.k, cache.v, mask, layer.attn.sinks)
+        o = L.attend(q, cache.k, cache.values(), mask, layer.attn.sinks)
     return h + L.linear(o.reshape(B, T, -1), layer.attn.o), cache
 
 

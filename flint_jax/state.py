@@ -1,6 +1,8 @@
 """The hybrid KV state: a ring buffer per sliding layer, a full cache per full-context layer.
 
-Layout `[B, KV, T, D]` (a KV head's keys are contiguous, which is what decode attention streams). A ring slot
+Layout `[B, KV, T, D]` (a KV head's keys are contiguous, which is what decode attention streams), except an FP8 full
+cache's values, stored transposed as `[B, KV, D, S]` (`values_transposed`; `FullCache.values()` gives them key-major
+either way). A ring slot
 remembers the absolute position it holds (-1 = empty), so masks come from stored positions, never from index
 arithmetic. Full caches hold position t at index t; `lengths[b]` says how many tokens sequence b has.
 """
@@ -25,6 +27,10 @@ MAX_BATCH = 8
 # by latency-bound kernels. BF16 (the default) keeps the model's own numerics.
 KV_DTYPES = {"bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn}
 FP8_MAX = 448.0
+# FP8 full caches store V transposed ([B, KV, D, S], `values_transposed`). False keeps V key-major like K: the layout
+# of runs EJ-ET (docs/BENCHMARKS.md), kept as a profiler variant (scripts/profile_decode.py, fp8_v_key_major). Read
+# when a cache is made and when a kernel is traced: set it before both.
+FP8_V_TRANSPOSED = True
 
 
 def kv_dtype_of(name) -> jnp.dtype:
@@ -47,6 +53,14 @@ def to_cache_values(x: jax.Array, dtype) -> jax.Array:
     return jnp.minimum(jnp.maximum(x, -FP8_MAX), FP8_MAX).astype(dtype)
 
 
+def values_transposed(dtype) -> bool:
+    """Whether a full cache of element `dtype` stores V transposed, [B, KV, D, S] (each feature's keys contiguous):
+    FP8 caches do. The decode kernel's values dot contracts over keys; Hopper's `ldmatrix` transposes only 16-bit
+    elements, so a key-major FP8 V tile would come out of shared memory one byte at a time (docs/KERNELS.md, "FP8
+    full caches"). BF16 caches keep V key-major like K."""
+    return FP8_V_TRANSPOSED and jnp.dtype(dtype) != jnp.dtype(jnp.bfloat16)
+
+
 def through_cache(x: jax.Array, dtype) -> jax.Array:
     """BF16 values of x as a cache of `dtype` gives them back (exact: every FP8 value is a BF16 value)."""
     return to_cache_values(x, dtype).astype(jnp.bfloat16)
@@ -65,8 +79,19 @@ class RingCache:
 
 @_pytree
 class FullCache:
-    k: jax.Array  # [B, KV, S, D] bf16, S = max_len
-    v: jax.Array  # [B, KV, S, D] bf16
+    k: jax.Array  # [B, KV, S, D] bf16 or fp8, S = max_len
+    v: jax.Array  # [B, KV, S, D] bf16, or [B, KV, D, S] fp8 (values_transposed)
+
+    def values(self) -> jax.Array:
+        """V key-major, [..., S, D], whatever the stored layout (a transposed view of an FP8 cache)."""
+        return jnp.swapaxes(self.v, -1, -2) if values_transposed(self.v.dtype) else self.v
+
+
+def full_cache_of(k: jax.Array, v: jax.Array, dtype=jnp.bfloat16) -> FullCache:
+    """A FullCache of `dtype` holding key-major k/v [B, KV, S, D] (rounded by to_cache_values; V transposed where
+    values_transposed)."""
+    k, v = to_cache_values(k, dtype), to_cache_values(v, dtype)
+    return FullCache(k=k, v=jnp.swapaxes(v, -1, -2) if values_transposed(dtype) else v)
 
 
 @jax.tree_util.register_dataclass
@@ -166,8 +191,9 @@ def init_state(cfg: FlintConfig, batch: int, max_len: int, stacked: bool = False
                                     v=jnp.zeros((batch, KV, W, D), jnp.bfloat16),
                                     pos=jnp.full((batch, W), -1, jnp.int32)))
         else:
+            v_shape = (batch, KV, D, max_len) if values_transposed(full_dtype) else (batch, KV, max_len, D)
             layers.append(FullCache(k=jnp.zeros((batch, KV, max_len, D), full_dtype),
-                                    v=jnp.zeros((batch, KV, max_len, D), full_dtype)))
+                                    v=jnp.zeros(v_shape, full_dtype)))
     return KVState(layers=stack_caches(layers) if stacked else tuple(layers), lengths=jnp.zeros((batch,), jnp.int32))
 
 
@@ -220,9 +246,12 @@ def write_ring(cache: RingCache, k: jax.Array, v: jax.Array, positions: jax.Arra
 
 
 def write_full(cache: FullCache, k: jax.Array, v: jax.Array, positions: jax.Array, valid: jax.Array) -> FullCache:
-    """Write a chunk into a full cache at its absolute positions; invalid tokens are dropped."""
+    """Write a chunk (k/v [B, T, KV, D], positions/valid [B, T]) into a full cache at its absolute positions; invalid
+    tokens are dropped."""
     S = cache.k.shape[2]
     idx = jnp.where(valid, positions, S)
     b = jnp.arange(k.shape[0])[:, None]
     k, v = to_cache_values(k, cache.k.dtype), to_cache_values(v, cache.v.dtype)
-    return FullCache(k=cache.k.at[b, :, idx].set(k, mode="drop"), v=cache.v.at[b, :, idx].set(v, mode="drop"))
+    # Either index set gives the updated elements as [B, T, KV, D] (advanced indices apart: their axes first).
+    v_at = cache.v.at[b, :, :, idx] if values_transposed(cache.v.dtype) else cache.v.at[b, :, idx]
+    return FullCache(k=cache.k.at[b, :, idx].set(k, mode="drop"), v=v_at.set(v, mode="drop"))

@@ -32,7 +32,8 @@ from flint_jax import layers as L
 from flint_jax.config import FlintConfig
 from flint_jax.pallas_kernels import gemv as G
 from flint_jax.pallas_kernels import weight_tiles as wt
-from flint_jax.state import FullCache, RingCache, kv_dtype_of, to_cache_values, write_full, write_ring
+from flint_jax.state import (FullCache, RingCache, kv_dtype_of, to_cache_values, values_transposed, write_full,
+                             write_ring)
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 
@@ -187,13 +188,13 @@ def finish_heads(x1, x2, w_ref, rope, pos, *, eps: float, sliding: bool):
     return (y1f * c - y2f * s).astype(BF16), (y2f * c + y1f * s).astype(BF16)
 
 
-def load_raw_heads(qkv_ref, b, kv, *, Hq: int, KV: int, G: int, D: int):
-    """From the raw projection [B, Hq+2KV, D]: the G query heads of KV head kv (rows padded to ROWS, halves),
+def load_raw_heads(qkv_ref, b, kv, *, Hq: int, KV: int, G: int, D: int, rows: int = ROWS):
+    """From the raw projection [B, Hq+2KV, D]: the G query heads of KV head kv (rows padded to `rows`, halves),
     and that KV head's k (halves, [1, D/2]) and v ([D])."""
     dh = D // 2
-    gmask = (jnp.arange(ROWS) < G)[:, None]
-    q1 = plgpu.load(qkv_ref.at[b, pl.ds(kv * G, ROWS), pl.ds(0, dh)], mask=gmask, other=0)
-    q2 = plgpu.load(qkv_ref.at[b, pl.ds(kv * G, ROWS), pl.ds(dh, dh)], mask=gmask, other=0)
+    gmask = (jnp.arange(rows) < G)[:, None]
+    q1 = plgpu.load(qkv_ref.at[b, pl.ds(kv * G, rows), pl.ds(0, dh)], mask=gmask, other=0)
+    q2 = plgpu.load(qkv_ref.at[b, pl.ds(kv * G, rows), pl.ds(dh, dh)], mask=gmask, other=0)
     k1 = qkv_ref[b, pl.ds(Hq + kv, 1), pl.ds(0, dh)]
     k2 = qkv_ref[b, pl.ds(Hq + kv, 1), pl.ds(dh, dh)]
     v = qkv_ref[b, Hq + KV + kv, :]
@@ -202,12 +203,16 @@ def load_raw_heads(qkv_ref, b, kv, *, Hq: int, KV: int, G: int, D: int):
 
 def store_kv(k1, k2, v, k_out, v_out, pos_out, b, kv, p, *, ring: bool, window: int):
     """Write one token's K (halves [1, D/2]) and V [D] at position p into the cache (ring slot p % W), rounded to
-    the cache's dtype as state.write_full rounds them (an FP8 full cache)."""
+    the cache's dtype as state.write_full rounds them (an FP8 full cache; its V is stored transposed, so V goes
+    down one column)."""
     dh = k1.shape[-1]
     slot = jax.lax.rem(p, window) if ring else p
     k_out[b, kv, pl.ds(slot, 1), pl.ds(0, dh)] = to_cache_values(k1, k_out.dtype)
     k_out[b, kv, pl.ds(slot, 1), pl.ds(dh, dh)] = to_cache_values(k2, k_out.dtype)
-    v_out[b, kv, slot, :] = to_cache_values(v, v_out.dtype)
+    if values_transposed(v_out.dtype):
+        v_out[b, kv, :, slot] = to_cache_values(v, v_out.dtype)
+    else:
+        v_out[b, kv, slot, :] = to_cache_values(v, v_out.dtype)
     if ring:
         @pl.when(kv == 0)
         def _():
@@ -241,10 +246,13 @@ def check_cache(cache, cfg: FlintConfig, B: int, sliding: bool, interpret: bool 
     KV, D = cfg.num_key_value_heads, cfg.head_dim
     if sliding != isinstance(cache, RingCache):
         raise ValueError(f"sliding={sliding} but the cache is a {type(cache).__name__}")
-    if cache.k.shape[:2] != (B, KV) or cache.k.shape[3] != D or cache.v.shape != cache.k.shape:
-        raise ValueError(f"cache k/v shape {cache.k.shape}/{cache.v.shape} does not fit batch {B}, KV {KV}, D {D}")
     if cache.k.dtype != cache.v.dtype:
         raise ValueError(f"cache k is {cache.k.dtype} but v is {cache.v.dtype}")
+    transposed = not sliding and values_transposed(cache.v.dtype)
+    v_shape = cache.k.shape[:2] + cache.k.shape[:1:-1] if transposed else cache.k.shape
+    if cache.k.shape[:2] != (B, KV) or cache.k.shape[3] != D or cache.v.shape != v_shape:
+        raise ValueError(f"cache k/v shape {cache.k.shape}/{cache.v.shape} does not fit batch {B}, KV {KV}, D {D}"
+                         + (" (an FP8 full cache stores V transposed: [B, KV, D, S])" if transposed else ""))
     if sliding and cache.k.dtype != jnp.bfloat16:
         raise ValueError(f"ring caches hold BF16 K/V, got {cache.k.dtype} (kv_dtype applies to full layers only)")
     kv_dtype_of(cache.k.dtype)  # BF16 or FP8, else a ValueError that names the choices

@@ -40,7 +40,7 @@ from flint_jax.config import FlintConfig
 from flint_jax.pallas_kernels.attention_prologue import (ROWS, check_cache, finish_heads, load_raw_heads, load_rope,
                                                          qkv_projection, rope_cos_sin, rope_tables, store_kv)
 from flint_jax.pallas_kernels.weight_tiles import pow2_rows
-from flint_jax.state import FullCache, RingCache, through_cache
+from flint_jax.state import FullCache, RingCache, through_cache, values_transposed
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 NEG_INF = float("-inf")
@@ -139,6 +139,10 @@ FP8_HALF_SCORES = True
 FP8_HALF_VALUES = True
 P_SCALE = 2.0 ** 15
 FP8_BLOCK_K = 128
+# Full layers on a cache whose V is stored transposed (FP8: state.values_transposed) run the keys on the dots' M
+# dimension (`keys_as_m`). False: the query heads on M as elsewhere (padded to ROWS), V^T taken by the values dot's
+# trans_b (a profiler variant).
+KEYS_AS_M = True
 
 
 def _fp8_pair_ptx(src: str, sel: str) -> str:
@@ -208,19 +212,38 @@ def _score_dtype(cache_dtype=BF16):
     return F16 if cache_dtype != BF16 and FP8_HALF_SCORES else BF16
 
 
-def _values_dot(p, vb):
-    """p [ROWS, BK] (FP32) @ vb [BK, D] in FP32: on FP16 V (an FP8 cache), p * P_SCALE rounded to FP16 and the
-    product scaled back (exact: powers of two); otherwise rounded as PV_MODE says."""
+def _values_dot(p, vb, order: str = "pv"):
+    """The values' dot in FP32, by `order`: "pv" p [R, BK] @ vb [BK, D]; "pvt" p @ vb^T, vb [D, BK] (a transposed
+    cache's tile); "vtp" vb [D, BK] @ p [BK, R] -> [D, R] (`keys_as_m`). On FP16 V (an FP8 cache), p * P_SCALE rounded
+    to FP16 and the product scaled back (exact: powers of two); otherwise rounded as PV_MODE says."""
+    def dot(p_op, v_op, **kw):
+        if order == "vtp":
+            return plgpu.dot(v_op, p_op, **kw)
+        return plgpu.dot(p_op, v_op, trans_b=order == "pvt", **kw)
     if vb.dtype == F16:
-        return plgpu.dot((p * P_SCALE).astype(F16), vb) * (1.0 / P_SCALE)
+        return dot((p * P_SCALE).astype(F16), vb) * (1.0 / P_SCALE)
     if _value_dtype() == F32:
-        return plgpu.dot(p, vb.astype(F32), allow_tf32=True)
+        return dot(p, vb.astype(F32), allow_tf32=True)
     vb = vb.astype(BF16)
     p_hi = p.astype(BF16)
-    pv = plgpu.dot(p_hi, vb)
+    pv = dot(p_hi, vb)
     if PV_MODE == "bf16x2":
-        pv = pv + plgpu.dot((p - p_hi.astype(F32)).astype(BF16), vb)
+        pv = pv + dot((p - p_hi.astype(F32)).astype(BF16), vb)
     return pv
+
+
+def keys_as_m(cache_dtype, ring: bool) -> bool:
+    """Whether a kernel on this cache runs its dots transposed: scores^T = K q^T [BK, R] and o^T = V^T p^T [D, R],
+    the keys on the MMA's M dimension and the query heads on N (R = `query_rows`). Full layers on a transposed-V
+    cache (FP8, state.values_transposed) do where KEYS_AS_M: V^T is then a plain tile, and R = 8 heads fill an N of
+    8 where the key-major form pads them to a 16-row M tile."""
+    return KEYS_AS_M and not ring and values_transposed(cache_dtype)
+
+
+def query_rows(G: int, transposed: bool) -> int:
+    """Rows of a program's query tile: the G heads of one KV head padded to the MMA's smallest tile, ROWS (16) on M,
+    or 8 on N (`keys_as_m`)."""
+    return max(8, pow2_rows(G)) if transposed else ROWS
 
 
 def _load_ring_row(k_ref, v_ref, kpos_ref, b, kv, slot: int, read, dh: int, D: int):
@@ -302,14 +325,17 @@ def _attn_kernel(*refs, mode, ring, sliding, B, Hq, KV, G, D, window, n_slots, s
         ins = ins[:-1]  # the arrival counters' input; the kernel uses the aliased output
     dh = D // 2
     b, kv, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    gmask = (jnp.arange(ROWS) < G)[:, None]
+    k_ref, v_ref = ins[-3 if ring else -2], ins[-2 if ring else -1]
+    transposed = keys_as_m(k_ref.dtype, ring)
+    v_t = not ring and values_transposed(v_ref.dtype)  # V tiles come [D, BK]
+    rows = query_rows(G, transposed)
+    gmask = (jnp.arange(rows) < G)[:, None]
     inv_sqrt_d = 1.0 / math.sqrt(D)
 
     if mode == "fused":
         qkv_ref, qn_ref, kn_ref, rope_ref, pos_ref, act_ref, sink_ref, *cache_in = ins
     else:
         q_ref, pos_ref, act_ref, sink_ref, *cache_in = ins
-    k_ref, v_ref = cache_in[0], cache_in[1]
     kpos_ref = cache_in[2] if ring else None
     pos = pos_ref[b]
     active = act_ref[b] != 0
@@ -323,14 +349,14 @@ def _attn_kernel(*refs, mode, ring, sliding, B, Hq, KV, G, D, window, n_slots, s
                           for e in range(extra)]
     if mode == "fused":
         rope = load_rope(rope_ref, b) if rope_table else rope_ref  # the table: loaded with the first loads
-        q1, q2, k1, k2, v_new = load_raw_heads(qkv_ref, b, kv, Hq=Hq, KV=KV, G=G, D=D)
+        q1, q2, k1, k2, v_new = load_raw_heads(qkv_ref, b, kv, Hq=Hq, KV=KV, G=G, D=D, rows=rows)
         q1, q2 = finish_heads(q1, q2, qn_ref, rope, pos, eps=eps, sliding=sliding)
         k1, k2 = finish_heads(k1, k2, kn_ref, rope, pos, eps=eps, sliding=sliding)
         if k_ref.dtype != BF16:  # an FP8 cache: the new token attends with the values the cache will hold
             k1, k2, v_new = (through_cache(x, k_ref.dtype) for x in (k1, k2, v_new))
     else:
-        q1 = plgpu.load(q_ref.at[b, pl.ds(kv * G, ROWS), pl.ds(0, dh)], mask=gmask, other=0)
-        q2 = plgpu.load(q_ref.at[b, pl.ds(kv * G, ROWS), pl.ds(dh, dh)], mask=gmask, other=0)
+        q1 = plgpu.load(q_ref.at[b, pl.ds(kv * G, rows), pl.ds(0, dh)], mask=gmask, other=0)
+        q2 = plgpu.load(q_ref.at[b, pl.ds(kv * G, rows), pl.ds(dh, dh)], mask=gmask, other=0)
     if mode == "fused":
         k_out, v_out = outs[-3 if ring else -2], outs[-2 if ring else -1]
         pos_out = outs[-1] if ring else None
@@ -343,14 +369,14 @@ def _attn_kernel(*refs, mode, ring, sliding, B, Hq, KV, G, D, window, n_slots, s
     if mode == "fused":
         k1f, k2f = k1.astype(F32), k2.astype(F32)
         s_new = (jnp.sum(q1.astype(F32) * k1f, axis=1) + jnp.sum(q2.astype(F32) * k2f, axis=1)) * inv_sqrt_d
-        take = _as_vector(active & (s == 0), ROWS)
+        take = _as_vector(active & (s == 0), rows)
         m = jnp.where(take, s_new, NEG_INF)
         l = jnp.where(take, 1.0, 0.0)
-        acc = jnp.where(take[:, None], jnp.broadcast_to(v_new.astype(F32)[None, :], (ROWS, D)), 0.0)
+        acc = jnp.where(take[:, None], jnp.broadcast_to(v_new.astype(F32)[None, :], (rows, D)), 0.0)
     else:
-        m = jnp.full((ROWS,), NEG_INF, F32)
-        l = jnp.zeros((ROWS,), F32)
-        acc = jnp.zeros((ROWS, D), F32)
+        m = jnp.full((rows,), NEG_INF, F32)
+        l = jnp.zeros((rows,), F32)
+        acc = jnp.zeros((rows, D), F32)
 
     # Key range of this program. Old keys only in fused mode (the new one is already in the state).
     q_pos = jnp.where(active, pos, -1)
@@ -366,8 +392,19 @@ def _attn_kernel(*refs, mode, ring, sliding, B, Hq, KV, G, D, window, n_slots, s
         m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
         alpha = jnp.exp(m - m_safe)
         p = jnp.exp(sc - m_safe[:, None])
-        pv = _values_dot(p, vb)
+        pv = _values_dot(p, vb, "pvt" if v_t else "pv")
         return m_new, l * alpha + jnp.sum(p, axis=1), acc * alpha[:, None] + pv
+
+    def attend_block_t(carry, kb1, kb2, vt, ok):  # keys_as_m: the same step on scores^T [BK, R], acc^T [D, R]
+        m, l, acc_t = carry
+        sc = (plgpu.dot(kb1, qd1, trans_b=True) + plgpu.dot(kb2, qd2, trans_b=True)) * inv_sqrt_d
+        sc = jnp.where(ok[:, None], sc, NEG_INF)
+        m_new = jnp.maximum(m, jnp.max(sc, axis=0))
+        m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
+        alpha = jnp.exp(m - m_safe)
+        p = jnp.exp(sc - m_safe[None, :])
+        pv = _values_dot(p, vt, "vtp")
+        return m_new, l * alpha + jnp.sum(p, axis=0), acc_t * alpha[None, :] + pv
 
     def ring_ok(kp):
         newest = kp < q_pos if mode == "fused" else kp <= q_pos
@@ -379,7 +416,7 @@ def _attn_kernel(*refs, mode, ring, sliding, B, Hq, KV, G, D, window, n_slots, s
         for kp, kr1, kr2, vr in extra_rows:
             sc = (jnp.sum(q1.astype(F32) * kr1.astype(F32)[None, :], axis=1)
                   + jnp.sum(q2.astype(F32) * kr2.astype(F32)[None, :], axis=1)) * inv_sqrt_d  # [ROWS]
-            sc = jnp.where(jnp.broadcast_to(ring_ok(kp), (ROWS,)), sc, NEG_INF)
+            sc = jnp.where(jnp.broadcast_to(ring_ok(kp), (rows,)), sc, NEG_INF)
             m_new = jnp.maximum(m, sc)
             m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
             alpha, p = jnp.exp(m - m_safe), jnp.exp(sc - m_safe)
@@ -405,18 +442,28 @@ def _attn_kernel(*refs, mode, ring, sliding, B, Hq, KV, G, D, window, n_slots, s
 
         def body(i, carry):
             t0 = lo + i * block_k
-            rmask = ((t0 + idx0) < n_slots)[:, None]
+            in_cache = (t0 + idx0) < n_slots
+            rmask = in_cache[:, None]
             # other=0.0, not 0: the Triton lowering casts `other` to the cache's dtype, and has no int -> FP8 cast
             kb1 = plgpu.load(k_ref.at[b, kv, pl.ds(t0, block_k), pl.ds(0, dh)], mask=rmask, other=0.0)
             kb2 = plgpu.load(k_ref.at[b, kv, pl.ds(t0, block_k), pl.ds(dh, dh)], mask=rmask, other=0.0)
-            vb = plgpu.load(v_ref.at[b, kv, pl.ds(t0, block_k), :], mask=rmask, other=0.0)
-            return attend_block(carry, _from_cache(kb1, score_dtype, compiled),
-                                _from_cache(kb2, score_dtype, compiled),
-                                _from_cache(vb, _value_dtype(k_ref.dtype), compiled), (t0 + idx0) < hi)
+            kb1, kb2 = _from_cache(kb1, score_dtype, compiled), _from_cache(kb2, score_dtype, compiled)
+            if v_t:  # V^T [D, block_k]
+                vb = plgpu.load(v_ref.at[b, kv, :, pl.ds(t0, block_k)], mask=in_cache[None, :], other=0.0)
+            else:
+                vb = plgpu.load(v_ref.at[b, kv, pl.ds(t0, block_k), :], mask=rmask, other=0.0)
+            vb = _from_cache(vb, _value_dtype(k_ref.dtype), compiled)
+            if transposed:
+                return attend_block_t(carry, kb1, kb2, vb, (t0 + idx0) < hi)
+            return attend_block(carry, kb1, kb2, vb, (t0 + idx0) < hi)
 
-        m, l, acc = jax.lax.fori_loop(0, n_blocks, body, (m, l, acc))
+        if transposed:
+            m, l, acc_t = jax.lax.fori_loop(0, n_blocks, body, (m, l, acc.T))
+            acc = acc_t.T
+        else:
+            m, l, acc = jax.lax.fori_loop(0, n_blocks, body, (m, l, acc))
 
-    heads = pl.ds(kv * G, ROWS)
+    heads = pl.ds(kv * G, rows)
     if splits == 1:
         o_ref = outs[0]
         sink = plgpu.load(sink_ref.at[heads], mask=gmask[:, 0], other=0).astype(F32)
@@ -693,7 +740,8 @@ def ref_decode_attention(q, cache, positions, sinks, cfg: FlintConfig, sliding: 
     if active is None:
         active = jnp.ones((q.shape[0],), bool)
     mask = decode_mask(cache, positions, active, cfg, sliding)
-    return L.attend(q[:, None], cache.k, cache.v, mask, sinks)[:, 0]
+    values = cache.values() if isinstance(cache, FullCache) else cache.v
+    return L.attend(q[:, None], cache.k, values, mask, sinks)[:, 0]
 
 
 def ref_attention_block_decode(h, layer, cache, positions, active, cfg: FlintConfig, sliding: bool, splits=None,

@@ -55,7 +55,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from flint_jax import layers as L
-from flint_jax.state import FullCache, RingCache
+from flint_jax.state import FullCache, RingCache, values_transposed
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 
@@ -126,8 +126,13 @@ def _kernel(*refs, mode, G, BQ, BK, T, S, W, window, sqrt_d, pv_mode):
         s = _dot_t(qt, kt.astype(qt.dtype))  # an FP8 full cache's keys: exact in BF16
         return s / sqrt_d if exact else s * (unit / sqrt_d)
 
+    # An FP8 full cache stores V transposed (state.values_transposed): its tiles are [D, BK], dotted as such.
+    v_is_t = mode == "full" and values_transposed(v_ref.dtype)
+    dot_v = _dot_t if v_is_t else _dot
+
     def update(carry, s, vt):
-        """The online-softmax step for scores s [R, BK] (masked keys at -inf) and values vt [BK, D]."""
+        """The online-softmax step for scores s [R, BK] (masked keys at -inf) and values vt [BK, D] (or [D, BK] for
+        a transposed cache)."""
         m, l, acc = carry
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -135,13 +140,13 @@ def _kernel(*refs, mode, G, BQ, BK, T, S, W, window, sqrt_d, pv_mode):
         p = exp(s - m_safe[:, None])
         l = l * alpha + jnp.sum(p, axis=1)
         if pv_mode == "f32":
-            pv = _dot(p, vt.astype(F32))
+            pv = dot_v(p, vt.astype(F32))
         else:
             vt = vt.astype(BF16)  # an FP8 full cache's values: exact in BF16
             p_hi = p.astype(BF16)
-            pv = _dot(p_hi, vt)
+            pv = dot_v(p_hi, vt)
             if pv_mode == "bf16x2":
-                pv = pv + _dot((p - p_hi.astype(F32)).astype(BF16), vt)
+                pv = pv + dot_v((p - p_hi.astype(F32)).astype(BF16), vt)
         return m_new, l, acc * alpha[:, None] + pv
 
     def step(carry, kt, vt, kp, fresh):
@@ -207,14 +212,17 @@ def _kernel(*refs, mode, G, BQ, BK, T, S, W, window, sqrt_d, pv_mode):
         n_full = jnp.minimum((q_max + BK) // BK, pl.cdiv(S, BK))
         n_free = jnp.minimum((jnp.minimum(q_min, S - 1) + 1) // BK, n_full)
 
+        def values(s0):
+            return v_ref[b, kv, :, pl.ds(s0, BK)] if v_is_t else v_ref[b, kv, pl.ds(s0, BK), :]
+
         def free_body(j, carry):
             s0 = pl.multiple_of(j * BK, BK)
-            return update(carry, scores(k_ref[b, kv, pl.ds(s0, BK), :]), v_ref[b, kv, pl.ds(s0, BK), :])
+            return update(carry, scores(k_ref[b, kv, pl.ds(s0, BK), :]), values(s0))
 
         def body(j, carry):
             s0, idx, fresh = edge(j, S)
             kp = jnp.where(idx < length, idx, -1)
-            return step(carry, k_ref[b, kv, pl.ds(s0, BK), :], v_ref[b, kv, pl.ds(s0, BK), :], kp, fresh)
+            return step(carry, k_ref[b, kv, pl.ds(s0, BK), :], values(s0), kp, fresh)
 
         carry = jax.lax.fori_loop(0, n_free, free_body, carry)
         carry = jax.lax.fori_loop(n_free, n_full, body, carry)
@@ -304,7 +312,8 @@ def full_attention(q: jax.Array, q_pos: jax.Array, cache: FullCache, lengths: ja
     Tp = _padded_len(T, block, Hq // cache.k.shape[1])
     fk, fv = cache.k, cache.v
     if fk.shape[2] < block.bk:  # a cache shorter than one key block (tests): pad, masked by lengths
-        fk, fv = _pad_axis(fk, 2, block.bk), _pad_axis(fv, 2, block.bk)
+        v_axis = 3 if values_transposed(fv.dtype) else 2
+        fk, fv = _pad_axis(fk, 2, block.bk), _pad_axis(fv, v_axis, block.bk)
     o = _launch("full", _pad_axis(q.astype(BF16), 1, Tp), _pad_axis(q_pos.astype(jnp.int32), 1, Tp, -1), sinks,
                 [lengths.astype(jnp.int32), fk, fv], S=fk.shape[2], W=0, window=None, block=block,
                 interpret=interpret)
@@ -327,4 +336,4 @@ def ref_full_attention(q, q_pos, cache: FullCache, lengths, sinks, *, interpret=
     S = cache.k.shape[2]
     idx = jnp.arange(S)[None, :]
     k_pos = jnp.where(idx < lengths[:, None], idx, -1)
-    return L.attend(q, cache.k, cache.v, L.attention_mask(q_pos, k_pos, None), sinks)
+    return L.attend(q, cache.k, cache.values(), L.attention_mask(q_pos, k_pos, None), sinks)

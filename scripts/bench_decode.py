@@ -50,7 +50,7 @@ from flint_jax.layer_stack import StackedParams  # noqa: E402
 from flint_jax.pallas_path import engine_layout  # noqa: E402
 from flint_jax.params import init_params, weight_bytes_per_token  # noqa: E402
 from flint_jax.state import (KV_DTYPES, FullCache, KVState, RingCache, kv_bytes_read, kv_dtype_of,  # noqa: E402
-                             stack_caches, to_cache_values)
+                             stack_caches, to_cache_values, values_transposed)
 
 VLLM_GB200 = {"nvfp4_forward_ms": 1.78, "bf16_forward_ms": 2.34, "served_ms": 2.06, "kernels": 346,
               "prefill_8k_ms": 145}
@@ -124,7 +124,8 @@ def random_state(cfg: FlintConfig, batch: int, max_len: int, context: int, key, 
             layers.append(RingCache(_normal_bf16(k1, shape), _normal_bf16(k2, shape), jnp.array(pos)))
         else:
             shape = (batch, KV, max_len, D)
-            layers.append(FullCache(_normal_cache(k1, shape, full_dtype), _normal_cache(k2, shape, full_dtype)))
+            v_shape = (batch, KV, D, max_len) if values_transposed(full_dtype) else shape  # FP8: V transposed
+            layers.append(FullCache(_normal_cache(k1, shape, full_dtype), _normal_cache(k2, v_shape, full_dtype)))
     return KVState(tuple(layers), jnp.full((batch,), context, jnp.int32))
 
 

@@ -116,10 +116,15 @@ def capture_moe_ttirs(variant: str, weights: str, rows: int) -> list[tuple[str, 
 
 # A full layer's attention block (qkv_projection, the fused decode attention, combine, output projection) on a full
 # cache of this KV dtype, with these decode_attention knobs.
+# name: (cache dtype, decode_attention knobs, state knobs)
 ATTENTION_VARIANTS = {
-    "bf16": ("bf16", {}),
-    "fp8": ("fp8", {}),  # the defaults: FP16 dots, 128-key blocks (runs EQ-ER)
-    "fp8_as_ep": ("fp8", {"FP8_HALF_SCORES": False, "FP8_HALF_VALUES": False, "FP8_BLOCK_K": 64}),
+    "bf16": ("bf16", {}, {}),
+    # the defaults: FP16 dots, 128-key blocks (runs EQ-ER), V stored transposed, the keys on the dots' M dimension
+    "fp8": ("fp8", {}, {}),
+    "fp8_heads_on_m": ("fp8", {"KEYS_AS_M": False}, {}),  # V transposed, the query heads on M (V^T by trans_b)
+    "fp8_v_key_major": ("fp8", {}, {"FP8_V_TRANSPOSED": False}),  # runs EQ-ET's kernel
+    "fp8_as_ep": ("fp8", {"FP8_HALF_SCORES": False, "FP8_HALF_VALUES": False, "FP8_BLOCK_K": 64},
+                  {"FP8_V_TRANSPOSED": False}),
 }
 
 
@@ -138,21 +143,26 @@ def capture_attention_ttirs(variant: str, weights: str, rows: int, context: int)
     from flint_jax.params import init_params
     from flint_jax.pallas_kernels import decode_attention
     from flint_jax.pallas_path import lowering_for_gpu
+    from flint_jax import state
     from flint_jax.state import FullCache, kv_dtype_of
 
-    kv_dtype, knobs = ATTENTION_VARIANTS[variant]
+    kv_dtype, knobs, state_knobs = ATTENTION_VARIANTS[variant]
     cfg = FlintConfig.flint(num_hidden_layers=7)
     params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0), weights))
     layer = params.layers[cfg.full_layers[0]]
     kv = jax.ShapeDtypeStruct((rows, cfg.num_key_value_heads, context, cfg.head_dim), kv_dtype_of(kv_dtype))
+    with knobs_set(state, state_knobs):
+        transposed = state.values_transposed(kv.dtype)
+    vt = jax.ShapeDtypeStruct(kv.shape[:2] + kv.shape[:1:-1], kv.dtype) if transposed else kv
     h = jax.ShapeDtypeStruct((rows, cfg.hidden_size), jnp.bfloat16)
     pos = jax.ShapeDtypeStruct((rows,), jnp.int32)
     act = jax.ShapeDtypeStruct((rows,), jnp.bool_)
 
     def block(h, layer, k, v, pos, act):
         return decode_attention.attention_block_decode(h, layer, FullCache(k=k, v=v), pos, act, cfg, False)
-    with knobs_set(decode_attention, knobs), capturing_triton_ir() as captured, lowering_for_gpu():
-        text = jax.jit(block).trace(h, layer, kv, kv, pos, act).lower(lowering_platforms=("cuda",)).as_text()
+    with knobs_set(decode_attention, knobs), knobs_set(state, state_knobs), capturing_triton_ir() as captured, \
+            lowering_for_gpu():
+        text = jax.jit(block).trace(h, layer, kv, vt, pos, act).lower(lowering_platforms=("cuda",)).as_text()
     return lowered_calls(text, captured)
 
 

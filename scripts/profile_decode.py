@@ -50,7 +50,9 @@ def _variants():
     from flint_jax import pallas_path as PP
     from flint_jax.pallas_kernels import router as RT
     from flint_jax.pallas_kernels import weight_tiles as WT
-    FP8_AS_EP = [(DA, "FP8_HALF_SCORES", False), (DA, "FP8_HALF_VALUES", False), (DA, "FP8_BLOCK_K", 64)]
+    from flint_jax import state as ST
+    FP8_AS_EP = [(DA, "FP8_HALF_SCORES", False), (DA, "FP8_HALF_VALUES", False), (DA, "FP8_BLOCK_K", 64),
+                 (ST, "FP8_V_TRANSPOSED", False)]
     return {
         "base": [],
         "prefetch": [(G, "TABLE_PREFETCH", True), (ME, "GATE_UP_BLOCK", (8, 512, 4, 3, False, True))],
@@ -81,6 +83,10 @@ def _variants():
         "fp8_bk128": [(DA, "FP8_BLOCK_K", 128)],  # the same bytes per block as BF16's 64 keys
         "fp8_bk256": [(DA, "FP8_BLOCK_K", 256)],
         "fp8_warps8": [(DA, "NUM_WARPS", 8)],  # full layers only (the rings keep RING_NUM_WARPS)
+        # an FP8 cache's V key-major like K (runs EJ-ET's layout; state built in the variant), or transposed (the
+        # default) with the query heads on the dots' M dimension instead of the keys
+        "fp8_v_key_major": [(ST, "FP8_V_TRANSPOSED", False)],
+        "fp8_heads_on_m": [(DA, "KEYS_AS_M", False)],
         "ring_warps4": [(DA, "RING_NUM_WARPS", 4)],  # the ring kernels as before run BD
         "attn_splits64": [(DA, "MAX_SPLITS", 64)],  # run O's variant; the default since (one wave at B = 1)
         "attn_stages4": [(DA, "NUM_STAGES", 4)],

@@ -127,14 +127,20 @@ def test_kernel_sass_lists_the_moe_blocks_kernels(tmp_path):
 
 
 def test_kernel_sass_lists_a_full_layers_attention_kernels(tmp_path):
-    """--attention: the four Triton kernels of a full layer's decode attention block at the Flint shape; on an FP8
-    cache with the defaults the values' dot takes FP16 operands over 128-key blocks, as EP ran it FP32 over 64."""
+    """--attention: the four Triton kernels of a full layer's decode attention block at the Flint shape. On an FP8
+    cache with the defaults the keys sit on the dots' M dimension and the 8 query heads on N: scores^T = K q^T per
+    half head, o^T = V^T p^T on FP16 operands over 128-key blocks; with the query heads on M they pad to 16 rows and
+    V^T comes transposed; EP's kernel ran the values dot in FP32 over 64 keys."""
     out = run_script("kernel_sass.py", "--out", str(tmp_path), "--attention", "fp8", "--ttir-only")
     assert out.count("Triton IR ->") == 4
     assert all(f"{name}: " in out for name in ("qkv_projection", "decode_attention_fused_full",
                                                  "decode_attention_combine", "linear_nvfp4"))
     ttir = next(tmp_path.glob("attention_fp8_nvfp4_m1_1_*.ttir")).read_text()
-    assert "tensor<16x128xf16> * tensor<128x128xf16>" in ttir
+    assert ttir.count("tensor<128x64xf16> * tensor<64x8xf16>") == 2
+    assert "tensor<128x128xf16> * tensor<128x8xf16>" in ttir and "tensor<16x" not in ttir
+    run_script("kernel_sass.py", "--out", str(tmp_path), "--attention", "fp8_heads_on_m", "--ttir-only")
+    ttir = next(tmp_path.glob("attention_fp8_heads_on_m_nvfp4_m1_1_*.ttir")).read_text()
+    assert "tensor<16x128xf16> * tensor<128x128xf16>" in ttir and "tensor<128x8x" not in ttir
     run_script("kernel_sass.py", "--out", str(tmp_path), "--attention", "fp8_as_ep", "--ttir-only")
     ttir = next(tmp_path.glob("attention_fp8_as_ep_nvfp4_m1_1_*.ttir")).read_text()
     assert "tensor<16x64xf32> * tensor<64x128xf32>" in ttir and "xf16>" not in ttir

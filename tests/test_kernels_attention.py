@@ -20,7 +20,7 @@ from flint_jax.config import FULL, SLIDING, FlintConfig
 from flint_jax.params import init_params
 from flint_jax.pallas_kernels import attention_prologue as AP
 from flint_jax.pallas_kernels import decode_attention as DA
-from flint_jax.state import FullCache, RingCache, to_cache_values
+from flint_jax.state import FullCache, RingCache, full_cache_of, to_cache_values
 from kernel_mode import INTERPRET
 
 W, S_MAX = 17, 256
@@ -241,7 +241,8 @@ def test_attention_block_decode_fp8_full_cache(amplify):
     lengths = [0, 63, 64, 190]
     B = len(lengths)
     start = full_cache(jax.random.key(10), B)
-    cache = cache_ref = FullCache(k=to_cache_values(start.k, FP8), v=to_cache_values(start.v, FP8))
+    cache = cache_ref = full_cache_of(start.k, start.v, FP8)
+    assert cache.v.shape == cache.k.shape[:2] + cache.k.shape[:1:-1]  # FP8: V stored transposed
     pos = jnp.asarray(lengths, jnp.int32)
     written = np.zeros(cache.k.shape, bool)
     for step in range(2):
@@ -253,13 +254,13 @@ def test_attention_block_decode_fp8_full_cache(amplify):
         assert_out_close(got, ref)
         for b in np.flatnonzero(np.asarray(active)):
             written[b, :, int(pos[b])] = True
-        for got_c, ref_c in ((cache.k, cache_ref.k), (cache.v, cache_ref.v)):
+        for got_c, ref_c in ((cache.k, cache_ref.k), (cache.values(), cache_ref.values())):
             g, r = f32(got_c), f32(ref_c)
             assert not np.isnan(g).any()
             np.testing.assert_array_equal(g[~written], r[~written])
             assert fp8_ulps(g[written], r[written]).max() <= 1
         pos = pos + active.astype(jnp.int32)
-    v = f32(cache.v)[written]
+    v = f32(cache.values())[written]
     if amplify > 1:
         assert np.abs(v).max() == 448.0 and (np.abs(v) == 448.0).mean() > 0.5
     else:
@@ -296,7 +297,7 @@ def block_case(sliding: bool, seed: int, fp8: bool = False):
         return layer, ring_cache(jax.random.key(seed), [n - 1 for n in lengths]), lengths
     cache = full_cache(jax.random.key(seed), len(lengths))
     if fp8:
-        cache = FullCache(k=to_cache_values(cache.k, FP8), v=to_cache_values(cache.v, FP8))
+        cache = full_cache_of(cache.k, cache.v, FP8)
     return layer, cache, lengths
 
 
@@ -347,6 +348,56 @@ def test_fp8_cache_dots_in_fp16_decode_like_the_reference(monkeypatch, scores, v
     for sliding in (False, True):
         layer, cache, lengths = block_case(sliding, seed=44, fp8=True)  # the ring stays BF16
         check_two_decode_steps(block, layer, cache, lengths, sliding, seed=45, check_caches=sliding)
+
+
+@pytest.mark.parametrize("v_transposed,keys_as_m", [(True, False), (False, True)],
+                         ids=["v-transposed-heads-on-m", "v-key-major"])
+def test_fp8_cache_layouts_decode_like_the_reference(monkeypatch, v_transposed, keys_as_m):
+    """An FP8 full cache stores V transposed and the kernel puts the keys on the dots' M dimension (the defaults,
+    checked by the tests above). The other two forms, kept as profiler variants, decode like the reference too:
+    V transposed with the query heads on M (KEYS_AS_M off: the values dot takes V^T by trans_b), and V key-major
+    like K (state.FP8_V_TRANSPOSED off: the layout of runs EJ-ET, whatever KEYS_AS_M says)."""
+    from flint_jax import state as ST
+    monkeypatch.setattr(ST, "FP8_V_TRANSPOSED", v_transposed)
+    monkeypatch.setattr(DA, "KEYS_AS_M", keys_as_m)
+    block = _jit(DA.attention_block_decode, "cfg", "sliding", "splits", "min_chunk")  # a fresh trace sees the knobs
+    layer, cache, lengths = block_case(False, seed=46, fp8=True)
+    assert (cache.v.shape == cache.k.shape) != v_transposed
+    assert DA.keys_as_m(cache.k.dtype, ring=False) == (v_transposed and keys_as_m)
+    check_two_decode_steps(block, layer, cache, lengths, False, seed=47, check_caches=False)
+
+
+def test_fp8_cache_stores_v_transposed():
+    """state.init_state / full_cache_of / write_full and the fused kernel's KV write agree on the FP8 layout
+    ([B, KV, D, S] V; K and BF16 caches key-major), `FullCache.values()` reads either layout key-major, and a key-major
+    V in an FP8 cache is refused by name."""
+    from flint_jax.state import init_state, write_full
+    state = init_state(CFG, 2, 40, kv_dtype="fp8")
+    full = state.layers[CFG.full_layers[0]]
+    KV, D = CFG.num_key_value_heads, CFG.head_dim
+    assert full.k.shape == (2, KV, 40, D) and full.v.shape == (2, KV, D, 40)
+    assert init_state(CFG, 2, 40).layers[CFG.full_layers[0]].v.shape == (2, KV, 40, D)
+    k, v = (jax.random.normal(jax.random.key(i), (2, 3, KV, D)).astype(jnp.bfloat16) for i in (48, 49))
+    positions = jnp.array([[5, 6, 7], [0, 1, 2]], jnp.int32)
+    valid = jnp.array([[True, True, True], [True, False, True]])
+    cache = write_full(full, k, v, positions, valid)
+    bf16 = write_full(full_cache_of(full.k, full.values(), jnp.bfloat16), k, v, positions, valid)
+    np.testing.assert_array_equal(f32(cache.values()), f32(to_cache_values(bf16.v, FP8)))
+    np.testing.assert_array_equal(f32(cache.k), f32(to_cache_values(bf16.k, FP8)))
+    assert f32(cache.values())[1, :, 1].max() == 0  # the invalid token is not written
+    # the kernel's write (fused decode, one step at position 9 of sequence 0) lands where write_full puts it
+    layer = params("nvfp4").layers[1]
+    lengths = jnp.array([9, 3], jnp.int32)
+    h = jax.random.normal(jax.random.key(50), (2, CFG.hidden_size)).astype(jnp.bfloat16)
+    active = jnp.array([True, False])
+    _, got = block_k(h, layer, cache, lengths, active, cfg=CFG, sliding=False, splits=1, min_chunk=64)
+    _, ref = block_r(h, layer, cache, lengths, active, cfg=CFG, sliding=False)
+    assert got.v.shape == cache.v.shape
+    assert fp8_ulps(got.values(), ref.values()).max() <= 1
+    changed = np.asarray(f32(got.values()) != f32(cache.values()))
+    assert changed[0, :, 9].any() and not np.delete(changed[0], 9, axis=1).any() and not changed[1].any()
+    with pytest.raises(ValueError, match=r"an FP8 full cache stores V transposed: \[B, KV, D, S\]"):
+        block_k(h, layer, FullCache(k=cache.k, v=cache.values()), lengths, active, cfg=CFG, sliding=False)
 
 
 def test_ring_caches_must_stay_bf16():
@@ -400,7 +451,7 @@ def test_kernels_lower_to_triton_for_h200(monkeypatch):
                 fns += [lambda c: AP.attention_prologue(h, layer.attn_norm, layer.attn, c, pos, active, CFG, sliding),
                         lambda c: DA.decode_attention(q, c, pos, layer.attn.sinks, CFG, sliding, active,
                                                       2 if sliding else 4)]
-            caches = [cache] if sliding else [cache, FullCache(k=cache.k.astype(FP8), v=cache.v.astype(FP8))]
+            caches = [cache] if sliding else [cache, full_cache_of(cache.k, cache.v, FP8)]
             for fn in fns:
                 for c in caches:
                     text = jax.jit(fn).trace(c).lower(lowering_platforms=("cuda",)).as_text()
@@ -425,7 +476,7 @@ def test_attention_knobs_lower_to_triton(monkeypatch, pv_mode, fp8_ptx, fp8_half
     h = jnp.zeros((2, CFG.hidden_size), jnp.bfloat16)
     full = full_cache(jax.random.key(0), 2)
     for sliding, cache in ((True, ring_cache(jax.random.key(0), [2, 39])),
-                           (False, FullCache(k=full.k.astype(FP8), v=full.v.astype(FP8)))):
+                           (False, full_cache_of(full.k, full.v, FP8))):
         layer = params("nvfp4").layers[0 if sliding else 1]
         fn = lambda c: DA.attention_block_decode(h, layer, c, pos, active, CFG, sliding, 1 if sliding else 4, 64)
         text = jax.jit(fn).trace(cache).lower(lowering_platforms=("cuda",)).as_text()

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from flint_jax.pallas_kernels import prefill_attention as pa
-from flint_jax.state import FullCache, RingCache, write_full, write_ring
+from flint_jax.state import FullCache, RingCache, full_cache_of, write_full, write_ring
 from numerics import assert_bf16_close
 from kernel_mode import INTERPRET
 
@@ -140,7 +140,7 @@ def test_full_attention_reads_an_fp8_cache():
     name = "mixed"
     q, k, v, positions, valid, (hk, hv, hpos, hvalid) = chunk(*LENGTHS[name], seed=4)
     fp8 = jnp.float8_e4m3fn
-    cache = FullCache(jnp.zeros((B, KV, S, D), fp8), jnp.zeros((B, KV, S, D), fp8))
+    cache = full_cache_of(jnp.zeros((B, KV, S, D)), jnp.zeros((B, KV, S, D)), fp8)  # V stored [B, KV, D, S]
     cache = write_full(write_full(cache, hk, hv, hpos, hvalid), k, v, positions, valid)
     assert cache.k.dtype == cache.v.dtype == fp8
     lengths_after = jnp.asarray(LENGTHS[name][0]) + jnp.asarray(LENGTHS[name][1])
@@ -207,7 +207,7 @@ def test_kernels_lower_to_triton_for_h200(monkeypatch):
     q_pos, sinks, lens = S((1, Tf), jnp.int32), S((Hf,), F32), S((1,), jnp.int32)
     ring = RingCache(S((1, KVf, Wf, Df), BF16), S((1, KVf, Wf, Df), BF16), S((1, Wf), jnp.int32))
     full = FullCache(S((1, KVf, Sf, Df), BF16), S((1, KVf, Sf, Df), BF16))
-    fp8 = FullCache(S((1, KVf, Sf, Df), jnp.float8_e4m3fn), S((1, KVf, Sf, Df), jnp.float8_e4m3fn))
+    fp8 = FullCache(S((1, KVf, Sf, Df), jnp.float8_e4m3fn), S((1, KVf, Df, Sf), jnp.float8_e4m3fn))  # V transposed
     for fn, args in ((lambda q, k, v, p, r, s: pa.ring_attention(q, k, v, p, r, s, Wf), (q, k, k, q_pos, ring, sinks)),
                      (lambda q, p, c, n, s: pa.full_attention(q, p, c, n, s), (q, q_pos, full, lens, sinks)),
                      (lambda q, p, c, n, s: pa.full_attention(q, p, c, n, s), (q, q_pos, fp8, lens, sinks))):
