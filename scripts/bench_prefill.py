@@ -88,6 +88,8 @@ PROGRAM_ROUTING_EXTRA = {("nvfp4", "swiglu"): [gm.Block(128, 64, 64, 8, 3)],
 # separately dispatched programs (prefill_pipeline; () is one program with the reset folded in); "one_program": the
 # chunk as engine.prefill_chunk after a separate engine.reset_slots_in_place call (the engine's path before
 # prefill_pipeline: the device idled ~6.8 ms before each chunk while the host handed over ~1,930 buffers, run AS).
+# The full layers' KV cache element type of every state this script makes (--kv-dtype; state.KV_DTYPES).
+KV_DTYPE = "bf16"
 PROGRAM_VARIANTS = {
     "default": {},
     "one_program": {"one_program": True},
@@ -295,7 +297,7 @@ class Runner:
     def prefill(self, params, tokens: np.ndarray, chunk: int, max_len: int):
         """tokens [1, N]: chunks of `chunk` tokens (the last one padded); returns the last token's logits."""
         N = tokens.shape[1]
-        state = init_state(self.cfg, 1, max_len)
+        state = init_state(self.cfg, 1, max_len, kv_dtype=KV_DTYPE)
         logits = None
         for lo in range(0, N, chunk):
             part = np.zeros((1, chunk), np.int32)
@@ -360,7 +362,7 @@ class ProgramRunner:
         N = tokens.shape[1]
         state = self.states.pop(max_len, None)
         if state is None:
-            state = init_state(self.cfg, 1, max_len)
+            state = init_state(self.cfg, 1, max_len, kv_dtype=KV_DTYPE)
         reset = np.ones((1,), bool)  # the prompt starts a new request: its row is emptied with the first chunk
         nxt = None
         for lo in range(0, N, chunk):
@@ -416,7 +418,7 @@ class PartsRunner:
         """Returns (parts: seconds per part, per_chunk: [{start, tokens, ms}], complete: bool); on_chunk(c) may
         return True to stop after chunk c."""
         cfg, N = self.cfg, tokens.shape[1]
-        state = init_state(cfg, 1, max_len)
+        state = init_state(cfg, 1, max_len, kv_dtype=KV_DTYPE)
         parts = {"attention core": 0.0, "attention projections": 0.0, "MoE MLP": 0.0, "dense MLP": 0.0,
                  "embed + LM head": 0.0}
         per_chunk = []
@@ -635,7 +637,8 @@ def routing_balance(runner: "Runner", params, tokens: np.ndarray, cfg: FlintConf
     runner.on_mlp_input = hook
     try:
         N = tokens.shape[1]
-        sync(runner.chunk(params, init_state(cfg, 1, N), jnp.asarray(tokens), jnp.array([N], jnp.int32))[0])
+        state = init_state(cfg, 1, N, kv_dtype=KV_DTYPE)
+        sync(runner.chunk(params, state, jnp.asarray(tokens), jnp.array([N], jnp.int32))[0])
     finally:
         runner.on_mlp_input = None
     layers = {i: np.asarray(c) for i, c in per_layer.items()}
@@ -1076,8 +1079,8 @@ def markdown(r: dict) -> str:
 def _markdown(r: dict) -> str:
     m = r.get("meta", {})
     lines = [f"# Prefill benchmark ({m.get('device', '?')}, {m.get('mode', '')})", "",
-             f"jax {m.get('jax', '?')}, config {m.get('config', '?')}, budget {m.get('budget_s', '?')} s, "
-             f"wall {m.get('wall_s', '?')} s.", ""]
+             f"jax {m.get('jax', '?')}, config {m.get('config', '?')}, full-layer KV caches "
+             f"{m.get('kv_dtype', 'bf16')}, budget {m.get('budget_s', '?')} s, wall {m.get('wall_s', '?')} s.", ""]
     if r.get("check"):
         lines += ["## Kernels vs references (GPU check)", "",
                   "| kernel | max abs err | ref rms | scaled err (<= 1 passes) | BF16 values differing | ok |",
@@ -1209,7 +1212,12 @@ def main(argv=None) -> int:
     ap.add_argument("--program-variants", default="default", metavar="NAME[,NAME]",
                     help="time the engine's prefill in these variants too: "
                          + ", ".join(PROGRAM_VARIANTS) + " (default: default)")
+    ap.add_argument("--kv-dtype", default="bf16", choices=("bf16", "fp8"),
+                    help="element type of the full layers' KV caches in the prefill and TTFT runs (default: bf16; "
+                         "see state.KV_DTYPES)")
     args = ap.parse_args(argv)
+    global KV_DTYPE
+    KV_DTYPE = args.kv_dtype
     bad = [v for v in args.program_variants.split(",") if v not in PROGRAM_VARIANTS]
     if bad:
         ap.error(f"--program-variants: unknown {', '.join(bad)}; known: {', '.join(PROGRAM_VARIANTS)}")
@@ -1232,7 +1240,8 @@ def main(argv=None) -> int:
     run.results["meta"] = {"device": f"{dev.platform} {dev.device_kind}", "jax": jax.__version__,
                            "config": "tiny" if tiny else "flint", "mode": "interpret" if tiny else "compiled",
                            "budget_s": args.budget_s, "tokens": N, "chunk": chunk, "long": long_n,
-                           "long_chunk": long_chunk, "attn_block": str(pa.DEFAULT_BLOCK)}
+                           "long_chunk": long_chunk, "attn_block": str(pa.DEFAULT_BLOCK),
+                           "kv_dtype": KV_DTYPE}
     log(f"device {dev.device_kind}; prompt {N}, chunk {chunk}, long prompt {long_n}; budget {args.budget_s:.0f} s")
     run.save()
     try:

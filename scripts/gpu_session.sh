@@ -18,6 +18,11 @@
 #   dispatch  host dispatch cost of the decode step at Flint's buffer count (scripts/dispatch_overhead.py)
 #   weights   the weight-streaming kernel benchmark (issue 4)
 #   attention the attention kernel benchmark and its sweeps (issue 5)
+#   tests_fp8    the compiled tests of FP8 full caches (transposed V, keys on the dots' M, FP16 dots, prefill reads)
+#   profile_fp8  the NVFP4 step at 100K on FP8 full caches, batch 1 then 8: the default kernel against V key-major
+#                (runs EJ-ET's layout) and V transposed with the heads on M ($PROFILE_FP8_VARIANTS)
+#   decode_fp8   bench_decode on FP8 full caches: batch 1 at 100K, 262K and 8K (with the engine burst at 100K)
+#   ttft_fp8     the 100K TTFT on the engine's path with FP8 full caches (bench_prefill.py --kv-dtype fp8)
 # Run from the repo root through the device tool with carry=[".whl"] (the gguf wheel), e.g.
 #   bash scripts/gpu_session.sh 560 tests profile
 # Each part writes under a work folder; at the end everything is packed into $OUT/gpu_session.tgz (the device tool
@@ -77,6 +82,20 @@ for p in $parts; do
     dispatch) part dispatch ${DISPATCH_LIMIT:-90} sh -c 'python3 scripts/dispatch_overhead.py --impl pallas && python3 scripts/dispatch_overhead.py --impl xla' ;;
     weights) part weights 90 env TESTS=0 OUT="$work/weights" bash scripts/gpu_kernels_weights.sh --budget-s 60 ;;
     attention) part attention 150 python3 scripts/bench_kernels_attention.py --out "$work/attention" --skip-tests ;;
+    tests_fp8) part tests_fp8 ${TESTS_FP8_LIMIT:-180} env FLINT_PALLAS_COMPILED=1 python3 -m pytest -q -p no:cacheprovider \
+             tests/test_kernels_attention.py tests/test_kernels_prefill_attention.py tests/test_pallas_path.py \
+             -k "fp8 or fp16 or values_dot or transposed or layouts or attention_block_decode_steps or full_attention_matches" ;;
+    profile_fp8) part profile_fp8 ${PROFILE_FP8_LIMIT:-260} sh -c "python3 scripts/profile_decode.py \
+             --out $work/profile_fp8 --weights nvfp4 --impls pallas --context 100000 --kv-dtype fp8 \
+             --variants ${PROFILE_FP8_VARIANTS:-base,fp8_v_key_major,fp8_heads_on_m} && \
+             python3 scripts/profile_decode.py --out $work/profile_fp8_b8 --weights nvfp4 --impls pallas \
+             --context 100000 --kv-dtype fp8 --batch 8 --variants base,fp8_v_key_major" ;;
+    decode_fp8) part decode_fp8 ${DECODE_FP8_LIMIT:-330} python3 scripts/bench_decode.py --out "$work/decode_fp8" \
+             --weights nvfp4 --impls pallas:stacked --batches 1 --contexts 100000,262144,8192 --served-steps 4 \
+             --kv-dtype fp8 --budget-s ${DECODE_FP8_BUDGET:-300} ;;
+    ttft_fp8) part ttft_fp8 ${TTFT_FP8_LIMIT:-150} python3 scripts/bench_prefill.py --out "$work/ttft_fp8" \
+             --weights nvfp4 --kv-dtype fp8 --skip moe,attn,jax,extras,prefill,routing --no-sweep \
+             --budget-s $(( ${TTFT_FP8_LIMIT:-150} - 15 )) ;;
     *) echo "unknown part $p" | tee -a "$work/summary.txt" ;;
   esac
 done
@@ -84,7 +103,8 @@ done
 tar czf "$OUT/gpu_session.tgz" -C "$work" .
 cp "$work/summary.txt" "$OUT/"
 for f in profile/profile.md profile_bf16/profile.md decode/results.md decode8/results.md prefill/bench_prefill.md \
-         prefill_check/bench_prefill.md; do
+         prefill_check/bench_prefill.md profile_fp8/profile.md profile_fp8_b8/profile.md decode_fp8/results.md \
+         ttft_fp8/bench_prefill.md; do
   [ -f "$work/$f" ] && cp "$work/$f" "$OUT/$(dirname "$f").md"
   [ -f "$work/$(dirname "$f")/results.json" ] && cp "$work/$(dirname "$f")/results.json" "$OUT/$(dirname "$f").json"
 done

@@ -207,6 +207,18 @@ def test_bench_prefill_tiny(tmp_path):
     assert "the engine's path" in (tmp_path / "bench_prefill.md").read_text()
 
 
+def test_bench_prefill_tiny_ttft_on_fp8_caches(tmp_path):
+    """--kv-dtype fp8: the TTFT run on the engine's path fills FP8 full caches (V stored transposed) and gives the
+    first token; the report names the cache type."""
+    run_script("bench_prefill.py", "--tiny", "--out", str(tmp_path), "--weights", "nvfp4", "--kv-dtype", "fp8",
+               "--skip", "moe,attn,jax,extras,prefill,routing", "--no-sweep")
+    res = json.loads((tmp_path / "bench_prefill.json").read_text())
+    assert res["meta"]["kv_dtype"] == "fp8" and not res.get("errors")
+    ttft = res["ttft"]["nvfp4"]
+    assert ttft["program_ttft_s"] > 0 and len(ttft["program_per_chunk"]) == ttft["n_chunks"]
+    assert "full-layer KV caches fp8" in (tmp_path / "bench_prefill.md").read_text()
+
+
 def test_bench_prefill_tiny_kernel_sections(tmp_path):
     """The one-layer MoE and attention sections on the CPU: every timed row has a wall time and, where the backend
     has device events (not here), a device time; the Markdown report has both columns."""
