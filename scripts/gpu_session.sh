@@ -20,7 +20,7 @@
 #   attention the attention kernel benchmark and its sweeps (issue 5)
 #   tests_fp8    the compiled tests of FP8 full caches (transposed V, keys on the dots' M, FP16 dots, prefill reads)
 #   profile_fp8  the NVFP4 step at 100K on FP8 full caches, batch 1 then 8: the default kernel against V key-major
-#                (runs EJ-ET's layout), V transposed with the heads on M, and two waves of programs (126 registers
+#                (runs EJ-ET's layout), V transposed with the heads on M, 256-key blocks, and two waves (126 registers
 #                leave room for more per SM) ($PROFILE_FP8_VARIANTS)
 #   decode_fp8   bench_decode on FP8 full caches: batch 1 at 100K, 262K and 8K (with the engine burst at 100K)
 #   ttft_fp8     the 100K TTFT on the engine's path with FP8 full caches (bench_prefill.py --kv-dtype fp8)
@@ -86,9 +86,9 @@ for p in $parts; do
     tests_fp8) part tests_fp8 ${TESTS_FP8_LIMIT:-180} env FLINT_PALLAS_COMPILED=1 python3 -m pytest -q -p no:cacheprovider \
              tests/test_kernels_attention.py tests/test_kernels_prefill_attention.py tests/test_pallas_path.py \
              -k "fp8 or fp16 or values_dot or transposed or layouts or attention_block_decode_steps or full_attention_matches" ;;
-    profile_fp8) part profile_fp8 ${PROFILE_FP8_LIMIT:-330} sh -c "python3 scripts/profile_decode.py \
+    profile_fp8) part profile_fp8 ${PROFILE_FP8_LIMIT:-360} sh -c "python3 scripts/profile_decode.py \
              --out $work/profile_fp8 --weights nvfp4 --impls pallas --context 100000 --kv-dtype fp8 \
-             --variants ${PROFILE_FP8_VARIANTS:-base,fp8_v_key_major,fp8_heads_on_m,attn_two_waves} && \
+             --variants ${PROFILE_FP8_VARIANTS:-base,fp8_v_key_major,fp8_heads_on_m,fp8_bk256,attn_two_waves} && \
              python3 scripts/profile_decode.py --out $work/profile_fp8_b8 --weights nvfp4 --impls pallas \
              --context 100000 --kv-dtype fp8 --batch 8 --variants base,fp8_v_key_major" ;;
     decode_fp8) part decode_fp8 ${DECODE_FP8_LIMIT:-330} python3 scripts/bench_decode.py --out "$work/decode_fp8" \

@@ -123,6 +123,7 @@ ATTENTION_VARIANTS = {
     "fp8": ("fp8", {}, {}),
     "fp8_heads_on_m": ("fp8", {"KEYS_AS_M": False}, {}),  # V transposed, the query heads on M (V^T by trans_b)
     "fp8_v_key_major": ("fp8", {}, {"FP8_V_TRANSPOSED": False}),  # runs EQ-ET's kernel
+    "fp8_bk256": ("fp8", {"FP8_BLOCK_K": 256}, {}),  # the defaults in 256-key blocks (64 KB of K/V per block)
     "fp8_as_ep": ("fp8", {"FP8_HALF_SCORES": False, "FP8_HALF_VALUES": False, "FP8_BLOCK_K": 64},
                   {"FP8_V_TRANSPOSED": False}),
 }
