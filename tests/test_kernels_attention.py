@@ -125,6 +125,28 @@ def test_attention_prologue(weights, sliding):
         np.testing.assert_array_equal(np.asarray(new.pos), np.asarray(new_ref.pos))
 
 
+def test_attention_prologue_writes_an_fp8_cache():
+    """The prologue-only API on an FP8 full cache (V stored transposed): the K/V written where the reference's
+    write_full puts them (within one FP8 step), every other entry untouched, q as the reference's."""
+    layer = params("nvfp4").layers[1]
+    positions = jnp.array([0, 63, 64, 190], jnp.int32)
+    active = jnp.array([True, False, True, True])
+    B = len(positions)
+    h = jax.random.normal(jax.random.key(4), (B, CFG.hidden_size)).astype(jnp.bfloat16)
+    start = full_cache(jax.random.key(5), B)
+    cache = full_cache_of(start.k, start.v, jnp.float8_e4m3fn)
+    q, new = prologue_k(h, layer.attn_norm, layer.attn, cache, positions, active, cfg=CFG, sliding=False)
+    q_ref, new_ref = prologue_r(h, layer.attn_norm, layer.attn, cache, positions, active, cfg=CFG, sliding=False)
+    assert_ulp_close(q, q_ref)
+    assert new.v.shape == cache.v.shape
+    for got, ref, old in ((new.k, new_ref.k, cache.k), (new.values(), new_ref.values(), cache.values())):
+        written = np.zeros(got.shape, bool)
+        for b in np.flatnonzero(np.asarray(active)):
+            written[b, :, int(positions[b])] = True
+        np.testing.assert_array_equal(f32(got)[~written], f32(old)[~written])
+        assert fp8_ulps(f32(got)[written], f32(ref)[written]).max() <= 1
+
+
 # ---- decode attention over a cache that holds the token -------------------------------------------------------
 
 # Lengths 1, W-1, W, W+1 and several wraps of the ring in one batch (position = length - 1), plus an inactive
