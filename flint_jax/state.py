@@ -1,9 +1,8 @@
 """The hybrid KV state: a ring buffer per sliding layer, a full cache per full-context layer.
 
-Layout `[B, KV, T, D]` (a KV head's keys are contiguous, which is what decode attention streams), except an FP8 full
-cache's values, stored transposed as `[B, KV, D, S]` (`values_transposed`; `FullCache.values()` gives them key-major
-either way). A ring slot
-remembers the absolute position it holds (-1 = empty), so masks come from stored positions, never from index
+Layout `[B, KV, T, D]` (a KV head's keys are contiguous, which is what decode attention streams). With
+`FP8_V_TRANSPOSED` on (a profiler variant, off by default), an FP8 full cache's values are stored transposed as
+`[B, KV, D, S]` (`values_transposed`; `FullCache.values()` gives them key-major either way). A ring slot remembers the absolute position it holds (-1 = empty), so masks come from stored positions, never from index
 arithmetic. Full caches hold position t at index t; `lengths[b]` says how many tokens sequence b has.
 """
 
@@ -27,10 +26,13 @@ MAX_BATCH = 8
 # by latency-bound kernels. BF16 (the default) keeps the model's own numerics.
 KV_DTYPES = {"bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn}
 FP8_MAX = 448.0
-# FP8 full caches store V transposed ([B, KV, D, S], `values_transposed`). False keeps V key-major like K: the layout
-# of runs EJ-ET (docs/BENCHMARKS.md), kept as a profiler variant (scripts/profile_decode.py, fp8_v_key_major). Read
-# when a cache is made and when a kernel is traced: set it before both.
-FP8_V_TRANSPOSED = True
+# True: FP8 full caches store V transposed ([B, KV, D, S], `values_transposed`) and the decode kernel puts the keys on
+# its dots' M dimension (fewer instructions per key block offline). Measured on an H100 (run EU, docs/BENCHMARKS.md) it
+# was no faster than V key-major like K (46.0 vs 45.2 us per full layer at batch 1, 315.9 vs 296.5 us at batch 8, 100K),
+# so the default keeps V key-major (runs EJ-ET's layout); the transposed form stays as a profiler variant
+# (scripts/profile_decode.py, fp8_v_transposed). Read when a cache is made and when a kernel is traced: set it before
+# both.
+FP8_V_TRANSPOSED = False
 
 
 def kv_dtype_of(name) -> jnp.dtype:
@@ -55,9 +57,10 @@ def to_cache_values(x: jax.Array, dtype) -> jax.Array:
 
 def values_transposed(dtype) -> bool:
     """Whether a full cache of element `dtype` stores V transposed, [B, KV, D, S] (each feature's keys contiguous):
-    FP8 caches do. The decode kernel's values dot contracts over keys; Hopper's `ldmatrix` transposes only 16-bit
-    elements, so a key-major FP8 V tile would come out of shared memory one byte at a time (docs/KERNELS.md, "FP8
-    full caches"). BF16 caches keep V key-major like K."""
+    FP8 caches do when FP8_V_TRANSPOSED is on. The decode kernel's values dot contracts over keys; Hopper's `ldmatrix`
+    transposes only 16-bit elements, so a key-major FP8 V tile comes out of shared memory in more instructions
+    (docs/KERNELS.md, "FP8 full caches"); measured, that did not make the key-major kernel slower (run EU). BF16
+    caches keep V key-major like K."""
     return FP8_V_TRANSPOSED and jnp.dtype(dtype) != jnp.dtype(jnp.bfloat16)
 
 
@@ -80,10 +83,10 @@ class RingCache:
 @_pytree
 class FullCache:
     k: jax.Array  # [B, KV, S, D] bf16 or fp8, S = max_len
-    v: jax.Array  # [B, KV, S, D] bf16, or [B, KV, D, S] fp8 (values_transposed)
+    v: jax.Array  # [B, KV, S, D]; [B, KV, D, S] for fp8 where values_transposed
 
     def values(self) -> jax.Array:
-        """V key-major, [..., S, D], whatever the stored layout (a transposed view of an FP8 cache)."""
+        """V key-major, [..., S, D], whatever the stored layout (a transposed view of a transposed FP8 cache)."""
         return jnp.swapaxes(self.v, -1, -2) if values_transposed(self.v.dtype) else self.v
 
 

@@ -119,11 +119,13 @@ def capture_moe_ttirs(variant: str, weights: str, rows: int) -> list[tuple[str, 
 # name: (cache dtype, decode_attention knobs, state knobs)
 ATTENTION_VARIANTS = {
     "bf16": ("bf16", {}, {}),
-    # the defaults: FP16 dots, 128-key blocks (runs EQ-ER), V stored transposed, the keys on the dots' M dimension
+    # the defaults: FP16 dots, 128-key blocks (runs EQ-ER), V key-major like K (runs EQ-EU's kernel)
     "fp8": ("fp8", {}, {}),
-    "fp8_heads_on_m": ("fp8", {"KEYS_AS_M": False}, {}),  # V transposed, the query heads on M (V^T by trans_b)
-    "fp8_v_key_major": ("fp8", {}, {"FP8_V_TRANSPOSED": False}),  # runs EQ-ET's kernel
-    "fp8_bk256": ("fp8", {"FP8_BLOCK_K": 256}, {}),  # the defaults in 256-key blocks (64 KB of K/V per block)
+    # V stored transposed: the keys on the dots' M dimension (run EU's first default), or the query heads on M (V^T
+    # by trans_b); the first in 256-key blocks (64 KB of K/V per block)
+    "fp8_v_transposed": ("fp8", {}, {"FP8_V_TRANSPOSED": True}),
+    "fp8_heads_on_m": ("fp8", {"KEYS_AS_M": False}, {"FP8_V_TRANSPOSED": True}),
+    "fp8_bk256": ("fp8", {"FP8_BLOCK_K": 256}, {"FP8_V_TRANSPOSED": True}),
     "fp8_as_ep": ("fp8", {"FP8_HALF_SCORES": False, "FP8_HALF_VALUES": False, "FP8_BLOCK_K": 64},
                   {"FP8_V_TRANSPOSED": False}),
 }

@@ -81,12 +81,13 @@ def _variants():
         "fp8_f16_values": [(DA, "FP8_HALF_SCORES", False), (DA, "FP8_HALF_VALUES", True)],
         "fp8_bk64": [(DA, "FP8_BLOCK_K", 64)],  # an FP8 cache's full layers in 64-key blocks (like BF16's)
         "fp8_bk128": [(DA, "FP8_BLOCK_K", 128)],  # the same bytes per block as BF16's 64 keys
-        "fp8_bk256": [(DA, "FP8_BLOCK_K", 256)],
+        "fp8_bk256": [(DA, "FP8_BLOCK_K", 256), (ST, "FP8_V_TRANSPOSED", True)],  # V transposed, as run EU ran it
         "fp8_warps8": [(DA, "NUM_WARPS", 8)],  # full layers only (the rings keep RING_NUM_WARPS)
-        # an FP8 cache's V key-major like K (runs EJ-ET's layout; state built in the variant), or transposed (the
-        # default) with the query heads on the dots' M dimension instead of the keys
+        # an FP8 cache's V key-major like K (the default: runs EJ-ET's layout; state built in the variant), or
+        # transposed with the keys on the dots' M dimension (run EU's default), or transposed with the query heads on M
         "fp8_v_key_major": [(ST, "FP8_V_TRANSPOSED", False)],
-        "fp8_heads_on_m": [(DA, "KEYS_AS_M", False)],
+        "fp8_v_transposed": [(ST, "FP8_V_TRANSPOSED", True)],
+        "fp8_heads_on_m": [(ST, "FP8_V_TRANSPOSED", True), (DA, "KEYS_AS_M", False)],
         "ring_warps4": [(DA, "RING_NUM_WARPS", 4)],  # the ring kernels as before run BD
         "attn_splits64": [(DA, "MAX_SPLITS", 64)],  # run O's variant; the default since (one wave at B = 1)
         "attn_stages4": [(DA, "NUM_STAGES", 4)],

@@ -128,14 +128,19 @@ def test_kernel_sass_lists_the_moe_blocks_kernels(tmp_path):
 
 def test_kernel_sass_lists_a_full_layers_attention_kernels(tmp_path):
     """--attention: the four Triton kernels of a full layer's decode attention block at the Flint shape. On an FP8
-    cache with the defaults the keys sit on the dots' M dimension and the 8 query heads on N: scores^T = K q^T per
-    half head, o^T = V^T p^T on FP16 operands over 128-key blocks; with the query heads on M they pad to 16 rows and
-    V^T comes transposed; EP's kernel ran the values dot in FP32 over 64 keys."""
+    cache with the defaults (V key-major) the 8 query heads pad to 16 rows on the dots' M dimension: scores = q K^T
+    per half head and o = p V on FP16 operands over 128-key blocks. With V stored transposed the keys sit on M and the
+    heads on N: scores^T = K q^T, o^T = V^T p^T; with the heads on M instead, V^T comes transposed; EP's kernel ran
+    the values dot in FP32 over 64 keys."""
     out = run_script("kernel_sass.py", "--out", str(tmp_path), "--attention", "fp8", "--ttir-only")
     assert out.count("Triton IR ->") == 4
     assert all(f"{name}: " in out for name in ("qkv_projection", "decode_attention_fused_full",
                                                  "decode_attention_combine", "linear_nvfp4"))
     ttir = next(tmp_path.glob("attention_fp8_nvfp4_m1_1_*.ttir")).read_text()
+    assert ttir.count("tensor<16x64xf16> * tensor<64x128xf16>") == 2
+    assert "tensor<16x128xf16> * tensor<128x128xf16>" in ttir and "x8xf16>" not in ttir
+    run_script("kernel_sass.py", "--out", str(tmp_path), "--attention", "fp8_v_transposed", "--ttir-only")
+    ttir = next(tmp_path.glob("attention_fp8_v_transposed_nvfp4_m1_1_*.ttir")).read_text()
     assert ttir.count("tensor<128x64xf16> * tensor<64x8xf16>") == 2
     assert "tensor<128x128xf16> * tensor<128x8xf16>" in ttir and "tensor<16x" not in ttir
     run_script("kernel_sass.py", "--out", str(tmp_path), "--attention", "fp8_heads_on_m", "--ttir-only")
@@ -208,7 +213,7 @@ def test_bench_prefill_tiny(tmp_path):
 
 
 def test_bench_prefill_tiny_ttft_on_fp8_caches(tmp_path):
-    """--kv-dtype fp8: the TTFT run on the engine's path fills FP8 full caches (V stored transposed) and gives the
+    """--kv-dtype fp8: the TTFT run on the engine's path fills FP8 full caches and gives the
     first token; the report names the cache type."""
     run_script("bench_prefill.py", "--tiny", "--out", str(tmp_path), "--weights", "nvfp4", "--kv-dtype", "fp8",
                "--skip", "moe,attn,jax,extras,prefill,routing", "--no-sweep")

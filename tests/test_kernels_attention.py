@@ -125,9 +125,14 @@ def test_attention_prologue(weights, sliding):
         np.testing.assert_array_equal(np.asarray(new.pos), np.asarray(new_ref.pos))
 
 
-def test_attention_prologue_writes_an_fp8_cache():
-    """The prologue-only API on an FP8 full cache (V stored transposed): the K/V written where the reference's
-    write_full puts them (within one FP8 step), every other entry untouched, q as the reference's."""
+@pytest.mark.parametrize("v_transposed", [False, True], ids=["v-key-major", "v-transposed"])
+def test_attention_prologue_writes_an_fp8_cache(monkeypatch, v_transposed):
+    """The prologue-only API on an FP8 full cache (V key-major, the default, or stored transposed): the K/V written
+    where the reference's write_full puts them (within one FP8 step), every other entry untouched, q as the
+    reference's."""
+    from flint_jax import state as ST
+    monkeypatch.setattr(ST, "FP8_V_TRANSPOSED", v_transposed)
+    prologue_k = _jit(AP.attention_prologue, "cfg", "sliding")  # a fresh trace sees the knob
     layer = params("nvfp4").layers[1]
     positions = jnp.array([0, 63, 64, 190], jnp.int32)
     active = jnp.array([True, False, True, True])
@@ -135,6 +140,7 @@ def test_attention_prologue_writes_an_fp8_cache():
     h = jax.random.normal(jax.random.key(4), (B, CFG.hidden_size)).astype(jnp.bfloat16)
     start = full_cache(jax.random.key(5), B)
     cache = full_cache_of(start.k, start.v, jnp.float8_e4m3fn)
+    assert (cache.v.shape == cache.k.shape) != v_transposed
     q, new = prologue_k(h, layer.attn_norm, layer.attn, cache, positions, active, cfg=CFG, sliding=False)
     q_ref, new_ref = prologue_r(h, layer.attn_norm, layer.attn, cache, positions, active, cfg=CFG, sliding=False)
     assert_ulp_close(q, q_ref)
@@ -264,7 +270,7 @@ def test_attention_block_decode_fp8_full_cache(amplify):
     B = len(lengths)
     start = full_cache(jax.random.key(10), B)
     cache = cache_ref = full_cache_of(start.k, start.v, FP8)
-    assert cache.v.shape == cache.k.shape[:2] + cache.k.shape[:1:-1]  # FP8: V stored transposed
+    assert cache.v.shape == cache.k.shape  # FP8 keeps V key-major by default (state.FP8_V_TRANSPOSED)
     pos = jnp.asarray(lengths, jnp.int32)
     written = np.zeros(cache.k.shape, bool)
     for step in range(2):
@@ -372,13 +378,13 @@ def test_fp8_cache_dots_in_fp16_decode_like_the_reference(monkeypatch, scores, v
         check_two_decode_steps(block, layer, cache, lengths, sliding, seed=45, check_caches=sliding)
 
 
-@pytest.mark.parametrize("v_transposed,keys_as_m", [(True, False), (False, True)],
-                         ids=["v-transposed-heads-on-m", "v-key-major"])
+@pytest.mark.parametrize("v_transposed,keys_as_m", [(True, True), (True, False)],
+                         ids=["v-transposed-keys-on-m", "v-transposed-heads-on-m"])
 def test_fp8_cache_layouts_decode_like_the_reference(monkeypatch, v_transposed, keys_as_m):
-    """An FP8 full cache stores V transposed and the kernel puts the keys on the dots' M dimension (the defaults,
-    checked by the tests above). The other two forms, kept as profiler variants, decode like the reference too:
-    V transposed with the query heads on M (KEYS_AS_M off: the values dot takes V^T by trans_b), and V key-major
-    like K (state.FP8_V_TRANSPOSED off: the layout of runs EJ-ET, whatever KEYS_AS_M says)."""
+    """An FP8 full cache keeps V key-major like K by default (checked by the tests above; runs EJ-EU's layout). The
+    transposed forms, kept as profiler variants (state.FP8_V_TRANSPOSED on), decode like the reference too: the keys
+    on the dots' M dimension (KEYS_AS_M, run EU's first default), or the query heads on M (the values dot takes V^T by
+    trans_b)."""
     from flint_jax import state as ST
     monkeypatch.setattr(ST, "FP8_V_TRANSPOSED", v_transposed)
     monkeypatch.setattr(DA, "KEYS_AS_M", keys_as_m)
@@ -389,14 +395,18 @@ def test_fp8_cache_layouts_decode_like_the_reference(monkeypatch, v_transposed, 
     check_two_decode_steps(block, layer, cache, lengths, False, seed=47, check_caches=False)
 
 
-def test_fp8_cache_stores_v_transposed():
-    """state.init_state / full_cache_of / write_full and the fused kernel's KV write agree on the FP8 layout
-    ([B, KV, D, S] V; K and BF16 caches key-major), `FullCache.values()` reads either layout key-major, and a key-major
-    V in an FP8 cache is refused by name."""
+def test_fp8_cache_stores_v_transposed(monkeypatch):
+    """With state.FP8_V_TRANSPOSED on, state.init_state / full_cache_of / write_full and the fused kernel's KV write
+    agree on the FP8 layout ([B, KV, D, S] V; K and BF16 caches key-major), `FullCache.values()` reads either layout
+    key-major, and a key-major V in such a cache is refused by name. Off (the default), FP8 V is key-major."""
+    from flint_jax import state as ST
     from flint_jax.state import init_state, write_full
+    KV, D = CFG.num_key_value_heads, CFG.head_dim
+    assert init_state(CFG, 2, 40, kv_dtype="fp8").layers[CFG.full_layers[0]].v.shape == (2, KV, 40, D)
+    monkeypatch.setattr(ST, "FP8_V_TRANSPOSED", True)
+    block_k = _jit(DA.attention_block_decode, "cfg", "sliding", "splits", "min_chunk")  # a fresh trace sees the knob
     state = init_state(CFG, 2, 40, kv_dtype="fp8")
     full = state.layers[CFG.full_layers[0]]
-    KV, D = CFG.num_key_value_heads, CFG.head_dim
     assert full.k.shape == (2, KV, 40, D) and full.v.shape == (2, KV, D, 40)
     assert init_state(CFG, 2, 40).layers[CFG.full_layers[0]].v.shape == (2, KV, 40, D)
     k, v = (jax.random.normal(jax.random.key(i), (2, 3, KV, D)).astype(jnp.bfloat16) for i in (48, 49))

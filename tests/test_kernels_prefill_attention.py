@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from flint_jax.pallas_kernels import prefill_attention as pa
+from flint_jax import state as ST
 from flint_jax.state import FullCache, RingCache, full_cache_of, write_full, write_ring
 from numerics import assert_bf16_close
 from kernel_mode import INTERPRET
@@ -134,15 +135,19 @@ def test_full_attention_matches_reference(sinks, lengths):
     assert_close(out, ref, np.asarray(valid), (v, hv), pv_mode(BLOCK))
 
 
-def test_full_attention_reads_an_fp8_cache():
+@pytest.mark.parametrize("v_transposed", [False, True], ids=["v-key-major", "v-transposed"])
+def test_full_attention_reads_an_fp8_cache(monkeypatch, v_transposed):
     """kv_dtype="fp8" (state.KV_DTYPES): history and chunk written into an FP8 cache by state.write_full (rounded,
-    saturating), read by the kernel as BF16 (exact), against the reference on the same cache."""
+    saturating), read by the kernel as BF16 (exact), against the reference on the same cache; V key-major (the
+    default) or stored transposed (state.FP8_V_TRANSPOSED)."""
+    monkeypatch.setattr(ST, "FP8_V_TRANSPOSED", v_transposed)
     name = "mixed"
     q, k, v, positions, valid, (hk, hv, hpos, hvalid) = chunk(*LENGTHS[name], seed=4)
     fp8 = jnp.float8_e4m3fn
-    cache = full_cache_of(jnp.zeros((B, KV, S, D)), jnp.zeros((B, KV, S, D)), fp8)  # V stored [B, KV, D, S]
+    cache = full_cache_of(jnp.zeros((B, KV, S, D)), jnp.zeros((B, KV, S, D)), fp8)
     cache = write_full(write_full(cache, hk, hv, hpos, hvalid), k, v, positions, valid)
     assert cache.k.dtype == cache.v.dtype == fp8
+    assert cache.v.shape == ((B, KV, D, S) if v_transposed else (B, KV, S, D))
     lengths_after = jnp.asarray(LENGTHS[name][0]) + jnp.asarray(LENGTHS[name][1])
     q_pos = jnp.where(valid, positions, -1)
     sk = jnp.asarray(MIXED_SINKS, F32)
@@ -207,9 +212,13 @@ def test_kernels_lower_to_triton_for_h200(monkeypatch):
     q_pos, sinks, lens = S((1, Tf), jnp.int32), S((Hf,), F32), S((1,), jnp.int32)
     ring = RingCache(S((1, KVf, Wf, Df), BF16), S((1, KVf, Wf, Df), BF16), S((1, Wf), jnp.int32))
     full = FullCache(S((1, KVf, Sf, Df), BF16), S((1, KVf, Sf, Df), BF16))
-    fp8 = FullCache(S((1, KVf, Sf, Df), jnp.float8_e4m3fn), S((1, KVf, Df, Sf), jnp.float8_e4m3fn))  # V transposed
-    for fn, args in ((lambda q, k, v, p, r, s: pa.ring_attention(q, k, v, p, r, s, Wf), (q, k, k, q_pos, ring, sinks)),
-                     (lambda q, p, c, n, s: pa.full_attention(q, p, c, n, s), (q, q_pos, full, lens, sinks)),
-                     (lambda q, p, c, n, s: pa.full_attention(q, p, c, n, s), (q, q_pos, fp8, lens, sinks))):
+    fp8 = FullCache(S((1, KVf, Sf, Df), jnp.float8_e4m3fn), S((1, KVf, Sf, Df), jnp.float8_e4m3fn))
+    fp8_t = FullCache(fp8.k, S((1, KVf, Df, Sf), jnp.float8_e4m3fn))  # V transposed (state.FP8_V_TRANSPOSED on)
+    for fn, args, v_transposed in (
+            (lambda q, k, v, p, r, s: pa.ring_attention(q, k, v, p, r, s, Wf), (q, k, k, q_pos, ring, sinks), False),
+            (lambda q, p, c, n, s: pa.full_attention(q, p, c, n, s), (q, q_pos, full, lens, sinks), False),
+            (lambda q, p, c, n, s: pa.full_attention(q, p, c, n, s), (q, q_pos, fp8, lens, sinks), False),
+            (lambda q, p, c, n, s: pa.full_attention(q, p, c, n, s), (q, q_pos, fp8_t, lens, sinks), True)):
+        monkeypatch.setattr(ST, "FP8_V_TRANSPOSED", v_transposed)
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "__gpu$xla.gpu.triton" in text
