@@ -20,8 +20,8 @@
 #   attention the attention kernel benchmark and its sweeps (issue 5)
 #   tests_fp8    the compiled tests of FP8 full caches (both V layouts, keys on the dots' M, FP16 dots, prefill reads)
 #   profile_fp8  the NVFP4 step at 100K on FP8 full caches, batch 1 then 8: the default kernel (V key-major) against
-#                V transposed with the keys on M (run EU's first default) and with the heads on M, 256-key blocks, and
-#                two waves ($PROFILE_FP8_VARIANTS; on an H100 the five batch-1 variants took the whole 360 s, run EU)
+#                V transposed with the keys on M (run EU's first default). $PROFILE_FP8_VARIANTS adds batch-1 variants
+#                (run EU also timed fp8_heads_on_m, fp8_bk256, attn_two_waves: slower; five variants took 360 s)
 #   decode_fp8   bench_decode on FP8 full caches: batch 1 at 100K, 262K and 8K (with the engine burst at 100K)
 #   ttft_fp8     the 100K TTFT on the engine's path with FP8 full caches (bench_prefill.py --kv-dtype fp8)
 # Run from the repo root through the device tool with carry=[".whl"] (the gguf wheel), e.g.
@@ -88,7 +88,7 @@ for p in $parts; do
              -k "fp8 or fp16 or values_dot or transposed or layouts or attention_block_decode_steps or full_attention_matches" ;;
     profile_fp8) part profile_fp8 ${PROFILE_FP8_LIMIT:-360} sh -c "python3 scripts/profile_decode.py \
              --out $work/profile_fp8 --weights nvfp4 --impls pallas --context 100000 --kv-dtype fp8 \
-             --variants ${PROFILE_FP8_VARIANTS:-base,fp8_v_transposed,fp8_heads_on_m,fp8_bk256,attn_two_waves} && \
+             --variants ${PROFILE_FP8_VARIANTS:-base,fp8_v_transposed} && \
              python3 scripts/profile_decode.py --out $work/profile_fp8_b8 --weights nvfp4 --impls pallas \
              --context 100000 --kv-dtype fp8 --batch 8 --variants base,fp8_v_transposed" ;;
     decode_fp8) part decode_fp8 ${DECODE_FP8_LIMIT:-330} python3 scripts/bench_decode.py --out "$work/decode_fp8" \
