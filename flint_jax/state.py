@@ -2,8 +2,9 @@
 
 Layout `[B, KV, T, D]` (a KV head's keys are contiguous, which is what decode attention streams). With
 `FP8_V_TRANSPOSED` on (a profiler variant, off by default), an FP8 full cache's values are stored transposed as
-`[B, KV, D, S]` (`values_transposed`; `FullCache.values()` gives them key-major either way). A ring slot remembers the absolute position it holds (-1 = empty), so masks come from stored positions, never from index
-arithmetic. Full caches hold position t at index t; `lengths[b]` says how many tokens sequence b has.
+`[B, KV, D, S]` (`values_transposed`; `FullCache.values()` gives them key-major either way). A ring slot remembers
+the absolute position it holds (-1 = empty), so masks come from stored positions, never from index arithmetic.
+Full caches hold position t at index t; `lengths[b]` says how many tokens sequence b has.
 """
 
 from __future__ import annotations

@@ -203,8 +203,8 @@ def load_raw_heads(qkv_ref, b, kv, *, Hq: int, KV: int, G: int, D: int, rows: in
 
 def store_kv(k1, k2, v, k_out, v_out, pos_out, b, kv, p, *, ring: bool, window: int):
     """Write one token's K (halves [1, D/2]) and V [D] at position p into the cache (ring slot p % W), rounded to
-    the cache's dtype as state.write_full rounds them (an FP8 full cache; its V is stored transposed, so V goes
-    down one column)."""
+    the cache's dtype as state.write_full rounds them (an FP8 full cache; where its V is stored transposed,
+    state.FP8_V_TRANSPOSED, V goes down one column)."""
     dh = k1.shape[-1]
     slot = jax.lax.rem(p, window) if ring else p
     k_out[b, kv, pl.ds(slot, 1), pl.ds(0, dh)] = to_cache_values(k1, k_out.dtype)
@@ -252,7 +252,8 @@ def check_cache(cache, cfg: FlintConfig, B: int, sliding: bool, interpret: bool 
     v_shape = cache.k.shape[:2] + cache.k.shape[:1:-1] if transposed else cache.k.shape
     if cache.k.shape[:2] != (B, KV) or cache.k.shape[3] != D or cache.v.shape != v_shape:
         raise ValueError(f"cache k/v shape {cache.k.shape}/{cache.v.shape} does not fit batch {B}, KV {KV}, D {D}"
-                         + (" (an FP8 full cache stores V transposed: [B, KV, D, S])" if transposed else ""))
+                         + (" (with state.FP8_V_TRANSPOSED on, an FP8 full cache stores V transposed: [B, KV, D, S])"
+                            if transposed else ""))
     if sliding and cache.k.dtype != jnp.bfloat16:
         raise ValueError(f"ring caches hold BF16 K/V, got {cache.k.dtype} (kv_dtype applies to full layers only)")
     kv_dtype_of(cache.k.dtype)  # BF16 or FP8, else a ValueError that names the choices

@@ -139,9 +139,9 @@ FP8_HALF_SCORES = True
 FP8_HALF_VALUES = True
 P_SCALE = 2.0 ** 15
 FP8_BLOCK_K = 128
-# Full layers on a cache whose V is stored transposed (FP8: state.values_transposed) run the keys on the dots' M
-# dimension (`keys_as_m`). False: the query heads on M as elsewhere (padded to ROWS), V^T taken by the values dot's
-# trans_b (a profiler variant).
+# Full layers on a cache whose V is stored transposed (FP8 with state.FP8_V_TRANSPOSED on, a profiler variant:
+# state.values_transposed) run the keys on the dots' M dimension (`keys_as_m`). False: the query heads on M as
+# elsewhere (padded to ROWS), V^T taken by the values dot's trans_b (a profiler variant).
 KEYS_AS_M = True
 
 

@@ -126,7 +126,7 @@ def _kernel(*refs, mode, G, BQ, BK, T, S, W, window, sqrt_d, pv_mode):
         s = _dot_t(qt, kt.astype(qt.dtype))  # an FP8 full cache's keys: exact in BF16
         return s / sqrt_d if exact else s * (unit / sqrt_d)
 
-    # An FP8 full cache stores V transposed (state.values_transposed): its tiles are [D, BK], dotted as such.
+    # An FP8 full cache may store V transposed (state.values_transposed): its tiles are then [D, BK], dotted as such.
     v_is_t = mode == "full" and values_transposed(v_ref.dtype)
     dot_v = _dot_t if v_is_t else _dot
 

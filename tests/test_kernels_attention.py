@@ -428,7 +428,8 @@ def test_fp8_cache_stores_v_transposed(monkeypatch):
     assert fp8_ulps(got.values(), ref.values()).max() <= 1
     changed = np.asarray(f32(got.values()) != f32(cache.values()))
     assert changed[0, :, 9].any() and not np.delete(changed[0], 9, axis=1).any() and not changed[1].any()
-    with pytest.raises(ValueError, match=r"an FP8 full cache stores V transposed: \[B, KV, D, S\]"):
+    with pytest.raises(ValueError, match=r"FP8_V_TRANSPOSED on, an FP8 full cache stores V transposed: "
+                                         r"\[B, KV, D, S\]"):
         block_k(h, layer, FullCache(k=cache.k, v=cache.values()), lengths, active, cfg=CFG, sliding=False)
 
 
