@@ -21,7 +21,8 @@
 #   tests_fp8    the compiled tests of FP8 full caches (both V layouts, keys on the dots' M, FP16 dots, prefill reads)
 #   profile_fp8  the NVFP4 step at 100K on FP8 full caches, batch 1 then 8: the default kernel (V key-major) against
 #                V transposed with the keys on M (run EU's first default). $PROFILE_FP8_VARIANTS adds batch-1 variants
-#                (run EU also timed fp8_heads_on_m, fp8_bk256, attn_two_waves: slower; five variants took 360 s)
+#                (run EU also timed V transposed with fp8_heads_on_m, fp8_bk256, attn_two_waves: slower; five
+#                variants took 360 s on an H100)
 #   decode_fp8   bench_decode on FP8 full caches: batch 1 at 100K, 262K and 8K (with the engine burst at 100K)
 #   ttft_fp8     the 100K TTFT on the engine's path with FP8 full caches (bench_prefill.py --kv-dtype fp8)
 # Run from the repo root through the device tool with carry=[".whl"] (the gguf wheel), e.g.

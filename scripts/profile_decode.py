@@ -81,7 +81,7 @@ def _variants():
         "fp8_f16_values": [(DA, "FP8_HALF_SCORES", False), (DA, "FP8_HALF_VALUES", True)],
         "fp8_bk64": [(DA, "FP8_BLOCK_K", 64)],  # an FP8 cache's full layers in 64-key blocks (like BF16's)
         "fp8_bk128": [(DA, "FP8_BLOCK_K", 128)],  # the same bytes per block as BF16's 64 keys
-        "fp8_bk256": [(DA, "FP8_BLOCK_K", 256), (ST, "FP8_V_TRANSPOSED", True)],  # V transposed, as run EU ran it
+        "fp8_bk256": [(DA, "FP8_BLOCK_K", 256)],  # run EU's ran on V transposed: fp8_v_transposed+fp8_bk256 now
         "fp8_warps8": [(DA, "NUM_WARPS", 8)],  # full layers only (the rings keep RING_NUM_WARPS)
         # an FP8 cache's V key-major like K (the default: runs EJ-ET's layout; state built in the variant), or
         # transposed with the keys on the dots' M dimension (run EU's default), or transposed with the query heads on M
