@@ -41,7 +41,7 @@ from flint_jax.config import FlintConfig  # noqa: E402
 from flint_jax.params import Attention, Layer  # noqa: E402
 from flint_jax.pallas_kernels import attention_prologue as AP  # noqa: E402
 from flint_jax.pallas_kernels import decode_attention as DA  # noqa: E402
-from flint_jax.state import FullCache, RingCache  # noqa: E402
+from flint_jax.state import FullCache, RingCache, to_cache_values, values_transposed  # noqa: E402
 
 LOG = []
 
@@ -153,11 +153,15 @@ def full_ring(key, cfg, B, p):
                      v=jax.random.normal(kv, (B, KV, W, D), jnp.bfloat16), pos=pos)
 
 
-def full_cache(key, cfg, B, S):
+def full_cache(key, cfg, B, S, kv_dtype=jnp.bfloat16):
+    """Random K/V [B, KV, S, D] as a full cache of `kv_dtype` holds them (FP8: rounded, V in the stored layout)."""
     KV, D = cfg.num_key_value_heads, cfg.head_dim
     kk, kv = jax.random.split(key)
-    return FullCache(k=jax.random.normal(kk, (B, KV, S, D), jnp.bfloat16),
-                     v=jax.random.normal(kv, (B, KV, S, D), jnp.bfloat16))
+    k = to_cache_values(jax.random.normal(kk, (B, KV, S, D), jnp.bfloat16), kv_dtype)
+    v = to_cache_values(jax.random.normal(kv, (B, KV, S, D), jnp.bfloat16), kv_dtype)
+    if values_transposed(kv_dtype):
+        v = jnp.swapaxes(v, 2, 3)
+    return FullCache(k=k, v=v)
 
 
 def rel_err(got, ref):
@@ -167,10 +171,11 @@ def rel_err(got, ref):
 
 # ---- sections ----------------------------------------------------------------------------------------------------
 
-def bench_decode_attention(cfg, peak, rows, B, context, max_len, copies, splits=None, reps=10, ref=True, tag=""):
+def bench_decode_attention(cfg, peak, rows, B, context, max_len, copies, splits=None, reps=10, ref=True, tag="",
+                           kv_dtype=jnp.bfloat16):
     Hq, KV, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     keys = jax.random.split(jax.random.key(context + B), copies + 1)
-    caches = [full_cache(k, cfg, B, max_len) for k in keys[:copies]]
+    caches = [full_cache(k, cfg, B, max_len, kv_dtype) for k in keys[:copies]]
     q = jax.random.normal(keys[-1], (B, Hq, D), jnp.bfloat16)
     sinks = jax.random.normal(keys[-1], (Hq,))
     pos = jnp.full((B,), context - 1, jnp.int32)
@@ -180,8 +185,8 @@ def bench_decode_attention(cfg, peak, rows, B, context, max_len, copies, splits=
     err = rel_err(o[0], o_ref)
     t, _ = timeit(lambda s: (f(caches), s[1]), (None, 0), reps=reps, batches=5)
     t /= copies
-    nbytes = B * KV * context * D * 2 * 2
-    row = dict(kernel=f"decode_attention full{tag}", shape=f"B={B} Hq={Hq} KV={KV} D={D} splits="
+    nbytes = B * KV * context * D * 2 * jnp.dtype(kv_dtype).itemsize
+    row = dict(kernel=f"decode_attention full{tag}", kv_dtype=jnp.dtype(kv_dtype).name, shape=f"B={B} Hq={Hq} KV={KV} D={D} splits="
                f"{splits or DA.default_splits(B, KV, False)} max_len={max_len}", context=context,
                us=t * 1e6, GBps=nbytes / t / 1e9, pct_peak=100 * nbytes / t / peak, rel_err=err[0])
     add_device_time(row, lambda: f(caches), copies, nbytes)
@@ -193,6 +198,12 @@ def bench_decode_attention(cfg, peak, rows, B, context, max_len, copies, splits=
     log(json.dumps(row))
     del caches
 
+
+# The FP8 full-layer kernel's sweep (section "fp8sweep"): (warps, stages, keys per block, target programs, max
+# splits). Fewer warps per program mean fewer cross-warp reductions and barriers per key block (the 4-warp loop body
+# has ~8 BAR.SYNC, scripts/kernel_sass.py --attention fp8), and more splits keep the SMs as full.
+FP8_SWEEP = ((4, 3, 128, 264, 128), (2, 3, 64, 528, 128), (2, 2, 128, 528, 128), (2, 4, 64, 528, 128),
+             (1, 2, 64, 1056, 256), (1, 3, 64, 1056, 256), (4, 3, 64, 264, 128), (2, 3, 64, 264, 128))
 
 DEVICE_PEAK = {}  # the read probe's device-time bandwidth (bytes/s), set by the "bw" section
 
@@ -474,6 +485,22 @@ def main():
                 finally:
                     DA.BLOCK_K, DA.NUM_WARPS, DA.NUM_STAGES = old
             section("sweep", variant)
+    for B, context in ((1, k100), (8, k100)):
+        for nw, ns, bk, programs, max_splits in FP8_SWEEP:
+            def fp8_variant(B=B, context=context, nw=nw, ns=ns, bk=bk, programs=programs, max_splits=max_splits):
+                knobs = dict(NUM_WARPS=nw, NUM_STAGES=ns, FP8_BLOCK_K=bk, TARGET_PROGRAMS=programs,
+                             MAX_SPLITS=max_splits)
+                old = {name: getattr(DA, name) for name in knobs}
+                for name, value in knobs.items():
+                    setattr(DA, name, value)
+                try:
+                    bench_decode_attention(cfg, P, rows, B, context, S if B == 1 else context, nf if B == 1 else 4,
+                                           ref=False, kv_dtype=jnp.float8_e4m3fn,
+                                           tag=f" fp8 warps={nw} stages={ns} BK={bk} programs={programs}")
+                finally:
+                    for name, value in old.items():
+                        setattr(DA, name, value)
+            section(f"fp8sweep:B{B}", fp8_variant)
     save()
     log("\n| kernel | shape | context | us | GB/s | % of peak | device us | % of device peak | XLA ref us | rel err |")
     log("|---|---|---|---|---|---|---|---|---|---|")

@@ -83,6 +83,11 @@ def _variants():
         "fp8_bk128": [(DA, "FP8_BLOCK_K", 128)],  # the same bytes per block as BF16's 64 keys
         "fp8_bk256": [(DA, "FP8_BLOCK_K", 256)],  # run EU's ran on V transposed: fp8_v_transposed+fp8_bk256 now
         "fp8_warps8": [(DA, "NUM_WARPS", 8)],  # full layers only (the rings keep RING_NUM_WARPS)
+        # full layers in fewer warps per program and as many more splits (the SMs as full; fewer cross-warp
+        # reductions and barriers per key block), 64-key FP8 blocks so that 4 or 8 programs' stages fit an SM
+        "fp8_warps2_splits": [(DA, "NUM_WARPS", 2), (DA, "TARGET_PROGRAMS", 528), (DA, "FP8_BLOCK_K", 64)],
+        "fp8_warps1_splits": [(DA, "NUM_WARPS", 1), (DA, "TARGET_PROGRAMS", 1056), (DA, "MAX_SPLITS", 256),
+                              (DA, "FP8_BLOCK_K", 64), (DA, "NUM_STAGES", 2)],
         # an FP8 cache's V key-major like K (the default: runs EJ-ET's layout; state built in the variant), or
         # transposed with the keys on the dots' M dimension (run EU's default), or transposed with the query heads on M
         "fp8_v_key_major": [(ST, "FP8_V_TRANSPOSED", False)],
