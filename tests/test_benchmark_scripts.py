@@ -149,6 +149,11 @@ def test_kernel_sass_lists_a_full_layers_attention_kernels(tmp_path):
     run_script("kernel_sass.py", "--out", str(tmp_path), "--attention", "fp8_as_ep", "--ttir-only")
     ttir = next(tmp_path.glob("attention_fp8_as_ep_nvfp4_m1_1_*.ttir")).read_text()
     assert "tensor<16x64xf32> * tensor<64x128xf32>" in ttir and "xf16>" not in ttir
+    out = run_script("kernel_sass.py", "--out", str(tmp_path), "--attention", "fp8_w2", "--ttir-only")
+    assert "decode_attention_fused_full: 2 warps, 3 stages" in out  # the sweep's 2-warp point: 64-key FP16 blocks
+    ttir = next(tmp_path.glob("attention_fp8_w2_nvfp4_m1_1_*.ttir")).read_text()
+    assert ttir.count("tensor<16x64xf16> * tensor<64x64xf16>") == 2  # scores per half head over 64 keys
+    assert ttir.count("tensor<16x64xf16> * tensor<64x128xf16>") == 1 and "tensor<16x128xf16>" not in ttir
 
 
 def test_kernel_sass_finds_the_longest_loop_body():
@@ -256,12 +261,14 @@ def test_mosaic_gpu_probes_lower_for_cuda(tmp_path):
 def test_bench_kernels_attention_smoke(tmp_path):
     """The attention benchmark's CPU smoke mode: every decode-attention and attention-block case on tiny shapes in
     interpret mode, each within its tolerance of the XLA reference; no device events, so no device time."""
-    run_script("bench_kernels_attention.py", "--smoke", "--quick", "--skip-tests", "--sections", "attn,block",
+    run_script("bench_kernels_attention.py", "--smoke", "--quick", "--skip-tests", "--sections", "attn,block,fp8sweep",
                "--out", str(tmp_path))
     res = json.loads((tmp_path / "attention_bench.json").read_text())
     assert res["errors"] == []
     checked = [r for r in res["rows"] if "rel_err" in r]
-    assert len(checked) >= 9  # 5 decode-attention contexts/batches, 4 attention blocks
+    assert len(checked) >= 11  # 5 decode-attention contexts/batches, 4 attention blocks, 2 FP8 sweep points
+    fp8 = [r for r in checked if r.get("kv_dtype") == "float8_e4m3fn"]
+    assert len(fp8) == 2 and "warps=2" in fp8[1]["kernel"]
     assert all(r["rel_err"] < 1e-2 for r in checked)
     assert all("device_us" not in r for r in res["rows"])
 
