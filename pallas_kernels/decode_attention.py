@@ -305,21 +305,34 @@ def full_block_keys(cache_dtype) -> int:
     return BLOCK_K if cache_dtype == BF16 else FP8_BLOCK_K
 
 
-def split_geometry(pos, active, *, fused: bool, splits: int, min_chunk: int, block_k: int):
-    """How a full layer's keys are split, from the data: (length, chunk, active splits); chunks are whole blocks of
-    block_k keys. Fused mode attends the old keys [0, pos) from the cache and the new token from registers (split
+# A full layer's split chunks are whole multiples of SPLIT_GRANULE keys (at most the block), not of whole blocks: a
+# split's last block is masked at the split's end, its loads included, so no program reads past its chunk. With
+# FP8's 128-key blocks at 100K and 64 splits, whole blocks gave 1,664-key chunks, so 61 splits held keys and the
+# longest program read 1,664 keys; 64-key granules give 1,600-key chunks, 63 splits, 1,600 keys (4% less for the
+# program that sets the kernel's time). None: whole blocks (the form before; a profiler variant).
+SPLIT_GRANULE: int | None = BLOCK_K
+
+
+def chunk_unit(block_k: int) -> int:
+    """Keys per unit of a full layer's split chunk for a loop of `block_k`-key blocks (SPLIT_GRANULE)."""
+    return block_k if SPLIT_GRANULE is None else min(block_k, SPLIT_GRANULE)
+
+
+def split_geometry(pos, active, *, fused: bool, splits: int, min_chunk: int, unit: int):
+    """How a full layer's keys are split, from the data: (length, chunk, active splits); chunks are whole multiples
+    of `unit` keys (`chunk_unit`). Fused mode attends the old keys [0, pos) from the cache and the new token from registers (split
     0); otherwise keys [0, pos]."""
     q_pos = jnp.where(active, pos, -1)
     length = jnp.maximum(q_pos if fused else q_pos + 1, 0)
-    chunk = jnp.maximum(pl.cdiv(pl.cdiv(length, splits), block_k) * block_k, min_chunk)
+    chunk = jnp.maximum(pl.cdiv(pl.cdiv(length, splits), unit) * unit, min_chunk)
     n_active = pl.cdiv(length, chunk)
     if fused:
         n_active = jnp.maximum(n_active, active.astype(jnp.int32))
     return length, chunk, n_active
 
 
-def _attn_kernel(*refs, mode, ring, sliding, B, Hq, KV, G, D, window, n_slots, splits, min_chunk, block_k, eps,
-                 num_refs_in, combine_here, compiled, rope_table):
+def _attn_kernel(*refs, mode, ring, sliding, B, Hq, KV, G, D, window, n_slots, splits, min_chunk, block_k, unit,
+                 eps, num_refs_in, combine_here, compiled, rope_table):
     ins, outs = refs[:num_refs_in], refs[num_refs_in:]
     if combine_here:
         ins = ins[:-1]  # the arrival counters' input; the kernel uses the aliased output
@@ -434,7 +447,7 @@ def _attn_kernel(*refs, mode, ring, sliding, B, Hq, KV, G, D, window, n_slots, s
         m, l, acc = jax.lax.fori_loop(0, n_blocks, body, (m, l, acc))
     else:
         length, chunk, n_active = split_geometry(pos, active, fused=mode == "fused", splits=splits,
-                                                 min_chunk=min_chunk, block_k=block_k)
+                                                 min_chunk=min_chunk, unit=unit)
         lo = s * chunk
         hi = jnp.minimum(length, lo + chunk)
         n_blocks = pl.cdiv(jnp.maximum(hi - lo, 0), block_k)
@@ -442,7 +455,8 @@ def _attn_kernel(*refs, mode, ring, sliding, B, Hq, KV, G, D, window, n_slots, s
 
         def body(i, carry):
             t0 = lo + i * block_k
-            in_cache = (t0 + idx0) < n_slots
+            # keys of this split held in the cache: a block may end past the split's chunk (chunk_unit)
+            in_cache = ((t0 + idx0) < n_slots) & ((t0 + idx0) < hi)
             rmask = in_cache[:, None]
             # other=0.0, not 0: the Triton lowering casts `other` to the cache's dtype, and has no int -> FP8 cast
             kb1 = plgpu.load(k_ref.at[b, kv, pl.ds(t0, block_k), pl.ds(0, dh)], mask=rmask, other=0.0)
@@ -529,14 +543,14 @@ def _attn_kernel(*refs, mode, ring, sliding, B, Hq, KV, G, D, window, n_slots, s
 
 
 def _combine_kernel(acc_ref, m_ref, l_ref, sink_ref, pos_ref, act_ref, o_ref, *, ring, fused, splits, min_chunk,
-                    block_k, batch):
+                    unit, batch):
     """splits: the attention kernel's split count; the partials' split axis may be longer (padded to a power of
     two), and only the first n_active entries are read. Rows of o past `batch` (padding rows) get zeros."""
     b, h = pl.program_id(0), pl.program_id(1)
 
     def row():
         _combine_row(acc_ref, m_ref, l_ref, sink_ref, pos_ref, act_ref, o_ref, b, h, ring=ring, fused=fused,
-                     splits=splits, min_chunk=min_chunk, block_k=block_k)
+                     splits=splits, min_chunk=min_chunk, unit=unit)
 
     if o_ref.shape[0] == batch:
         row()
@@ -549,12 +563,12 @@ def _combine_kernel(acc_ref, m_ref, l_ref, sink_ref, pos_ref, act_ref, o_ref, *,
 
 
 def _combine_row(acc_ref, m_ref, l_ref, sink_ref, pos_ref, act_ref, o_ref, b, h, *, ring, fused, splits,
-                 min_chunk, block_k):
+                 min_chunk, unit):
     if ring:
         n_active = splits
     else:
         _, _, n_active = split_geometry(pos_ref[b], act_ref[b] != 0, fused=fused, splits=splits,
-                                        min_chunk=min_chunk, block_k=block_k)
+                                        min_chunk=min_chunk, unit=unit)
     live = jnp.arange(m_ref.shape[-1]) < n_active
     m = plgpu.load(m_ref.at[b, h, :], mask=live, other=NEG_INF)
     l = plgpu.load(l_ref.at[b, h, :], mask=live, other=0)
@@ -569,15 +583,15 @@ def _combine_row(acc_ref, m_ref, l_ref, sink_ref, pos_ref, act_ref, o_ref, b, h,
 
 
 def combine(acc, m, l, sinks, positions, active, *, ring: bool, fused: bool, min_chunk: int,
-            interpret: bool = False, splits: int | None = None, out_rows: int | None = None, block_k: int = BLOCK_K):
+            interpret: bool = False, splits: int | None = None, out_rows: int | None = None, unit: int = BLOCK_K):
     """Fold split partials (acc [B, Hq, S, D], running max m and sum l [B, Hq, S]) and the sinks -> o bf16
     [out_rows, Hq, D] (default B; rows past B are zeros: the padding rows a decode step carries, model.Blocks.rows).
-    Only the splits that `split_geometry` says hold data are read (min_chunk and block_k: the attention's). splits:
+    Only the splits that `split_geometry` says hold data are read (min_chunk and unit: the attention's). splits:
     the attention's split count (default S; S may be padded past it to a power of two)."""
     B, Hq, S, D = acc.shape
     out_rows = out_rows or B
     kernel = functools.partial(_combine_kernel, ring=ring, fused=fused, splits=splits or S, min_chunk=min_chunk,
-                               block_k=block_k, batch=B)
+                               unit=unit, batch=B)
     operands, in_specs = layer_stack.kernel_args([acc, m, l, sinks.astype(F32), positions.astype(jnp.int32),
                                                   active.astype(jnp.int32)])
     return pl.pallas_call(
@@ -605,7 +619,8 @@ def _attention_call(mode, first_args, cache, positions, active, sinks, cfg, slid
     block_k = BLOCK_K if ring else full_block_keys(cache.k.dtype)
     if block_k < BLOCK_K or block_k % BLOCK_K:
         raise ValueError(f"decode_attention.FP8_BLOCK_K must be a multiple of BLOCK_K={BLOCK_K}, got {block_k}")
-    min_chunk = -(-min_chunk // block_k) * block_k  # whole blocks
+    unit = BLOCK_K if ring else chunk_unit(block_k)
+    min_chunk = -(-min_chunk // unit) * unit  # whole units
     cache_in = [cache.k, cache.v] + ([cache.pos] if ring else [])
     args = [*first_args, positions.astype(jnp.int32), active.astype(jnp.int32), sinks.astype(F32), *cache_in]
     # The kernel folds power-of-two split counts up to MAX_SPLITS_IN_KERNEL itself; any other count goes to combine.
@@ -634,7 +649,8 @@ def _attention_call(mode, first_args, cache, positions, active, sinks, cfg, slid
         aliases.update({first + i: n_out + i for i in range(len(cache_in))})
     kernel = functools.partial(_attn_kernel, mode=mode, ring=ring, sliding=sliding, B=B, Hq=Hq, KV=KV,
                                G=cfg.q_per_kv, D=D, window=cfg.sliding_window, n_slots=n_slots, splits=splits,
-                               min_chunk=min_chunk, block_k=block_k, eps=cfg.rms_norm_eps, num_refs_in=len(args),
+                               min_chunk=min_chunk, block_k=block_k, unit=unit, eps=cfg.rms_norm_eps,
+                               num_refs_in=len(args),
                                combine_here=combine_here, compiled=not interpret,
                                rope_table=mode == "fused" and first_args[3].ndim == 3)  # a [B, 2, D/2] table
     operands, in_specs = layer_stack.kernel_args(args)
@@ -650,7 +666,7 @@ def _attention_call(mode, first_args, cache, positions, active, sinks, cfg, slid
         o, rest = outs[0], outs[5:]
     else:
         o = combine(*outs[:3], sinks, positions, active, ring=ring, fused=mode == "fused", min_chunk=min_chunk,
-                    interpret=interpret, splits=splits, out_rows=out_rows, block_k=block_k)
+                    interpret=interpret, splits=splits, out_rows=out_rows, unit=unit)
         rest = outs[3:]
     if o.shape[0] < out_rows:  # o written by the attention kernel itself: pad to the caller's rows
         o = jnp.pad(o, ((0, out_rows - o.shape[0]), (0, 0), (0, 0)))

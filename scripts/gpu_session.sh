@@ -86,7 +86,7 @@ for p in $parts; do
     attention) part attention 150 python3 scripts/bench_kernels_attention.py --out "$work/attention" --skip-tests ;;
     tests_fp8) part tests_fp8 ${TESTS_FP8_LIMIT:-180} env FLINT_PALLAS_COMPILED=1 python3 -m pytest -q -p no:cacheprovider \
              tests/test_kernels_attention.py tests/test_kernels_prefill_attention.py tests/test_pallas_path.py \
-             -k "fp8 or fp16 or values_dot or transposed or layouts or attention_block_decode_steps or full_attention_matches" ;;
+             -k "fp8 or fp16 or values_dot or transposed or layouts or granules or attention_block_decode_steps or full_attention_matches" ;;
     profile_fp8) part profile_fp8 ${PROFILE_FP8_LIMIT:-360} sh -c "python3 scripts/profile_decode.py \
              --out $work/profile_fp8 --weights nvfp4 --impls pallas --context 100000 --kv-dtype fp8 \
              --variants ${PROFILE_FP8_VARIANTS:-base,fp8_v_transposed} && \

@@ -378,6 +378,24 @@ def test_fp8_cache_dots_in_fp16_decode_like_the_reference(monkeypatch, scores, v
         check_two_decode_steps(block, layer, cache, lengths, sliding, seed=45, check_caches=sliding)
 
 
+@pytest.mark.parametrize("granule,chunk,active", [(64, 1600, 63), (None, 1664, 61)], ids=["granules", "blocks"])
+def test_full_layer_chunks_are_whole_granules(monkeypatch, granule, chunk, active):
+    """SPLIT_GRANULE: a full layer's split chunks are multiples of 64 keys even where the loop takes 128-key blocks
+    (FP8 caches), so 100K keys in 64 splits are 63 chunks of 1,600 keys, not 61 of 1,664 (whole blocks, the form
+    before). A split then ends inside its last block, whose loads stop at the chunk's end: the decode still matches
+    the reference at lengths whose chunks end mid-block, both ways."""
+    monkeypatch.setattr(DA, "SPLIT_GRANULE", granule)
+    monkeypatch.setattr(DA, "FP8_BLOCK_K", 128)
+    unit = DA.chunk_unit(DA.full_block_keys(FP8))
+    assert unit == (granule or 128)
+    _, got_chunk, got_active = DA.split_geometry(jnp.int32(100_000), jnp.bool_(True), fused=True, splits=64,
+                                                 min_chunk=256, unit=unit)
+    assert (int(got_chunk), int(got_active)) == (chunk, active)
+    block = _jit(DA.attention_block_decode, "cfg", "sliding", "splits", "min_chunk")  # a fresh trace sees the knobs
+    layer, cache, lengths = block_case(False, seed=48, fp8=True)
+    check_two_decode_steps(block, layer, cache, lengths, False, seed=49, check_caches=False)
+
+
 @pytest.mark.parametrize("v_transposed,keys_as_m", [(True, True), (True, False)],
                          ids=["v-transposed-keys-on-m", "v-transposed-heads-on-m"])
 def test_fp8_cache_layouts_decode_like_the_reference(monkeypatch, v_transposed, keys_as_m):
