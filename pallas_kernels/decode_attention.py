@@ -138,7 +138,14 @@ _BF16_2POW120 = "0x7B807B80"  # 2^120 in both BF16 lanes
 FP8_HALF_SCORES = True
 FP8_HALF_VALUES = True
 P_SCALE = 2.0 ** 15
-FP8_BLOCK_K = 128
+# None: by the GPU's kind (FP8_BLOCK_K_BY_DEVICE, else 128); an int overrides it everywhere.
+FP8_BLOCK_K: int | None = None
+# The FP8 block size the measurements pick per kind of GPU. H200: 128 (run ER: 40.2 -> 38.2 us per layer against
+# 64-key blocks). H100: 64 (runs EX-EY, scripts/profile_decode.py, NVFP4 step at 100K, batch 1: 45.4 -> 41.5 us per
+# layer, span 2.253 -> 2.200 ms; the kernel alone 46.7 -> 44.0 us). Kinds are matched by substring of jax's
+# device_kind ("NVIDIA H100 80GB HBM3"); a trace without a GPU (interpret mode, lowering on a CPU host) takes 128.
+FP8_BLOCK_K_BY_DEVICE = {"H100": 64}
+FP8_BLOCK_K_DEFAULT = 128
 # Full layers on a cache whose V is stored transposed (FP8 with state.FP8_V_TRANSPOSED on, a profiler variant:
 # state.values_transposed) run the keys on the dots' M dimension (`keys_as_m`). False: the query heads on M as
 # elsewhere (padded to ROWS), V^T taken by the values dot's trans_b (a profiler variant).
@@ -301,15 +308,31 @@ def ring_geometry(n_slots: int, splits: int) -> tuple[int, int, bool]:
 
 
 def full_block_keys(cache_dtype) -> int:
-    """Keys per block of a full layer's loop: FP8_BLOCK_K on an FP8 cache, else BLOCK_K."""
-    return BLOCK_K if cache_dtype == BF16 else FP8_BLOCK_K
+    """Keys per block of a full layer's loop: FP8_BLOCK_K (`fp8_block_keys`) on an FP8 cache, else BLOCK_K."""
+    return BLOCK_K if cache_dtype == BF16 else fp8_block_keys()
+
+
+def fp8_block_keys(device_kind: str | None = None) -> int:
+    """FP8_BLOCK_K, or where it is None the block FP8_BLOCK_K_BY_DEVICE gives the GPU (`device_kind`, default: jax's
+    first device's kind when the backend is a GPU), else FP8_BLOCK_K_DEFAULT."""
+    if FP8_BLOCK_K is not None:
+        return FP8_BLOCK_K
+    if device_kind is None:
+        device_kind = jax.devices()[0].device_kind if jax.default_backend() == "gpu" else ""
+    for name, block in FP8_BLOCK_K_BY_DEVICE.items():
+        if name in device_kind:
+            return block
+    return FP8_BLOCK_K_DEFAULT
 
 
 # A full layer's split chunks are whole multiples of SPLIT_GRANULE keys (at most the block), not of whole blocks: a
 # split's last block is masked at the split's end, its loads included, so no program reads past its chunk. With
 # FP8's 128-key blocks at 100K and 64 splits, whole blocks gave 1,664-key chunks, so 61 splits held keys and the
 # longest program read 1,664 keys; 64-key granules give 1,600-key chunks, 63 splits, 1,600 keys (4% less for the
-# program that sets the kernel's time). None: whole blocks (the form before; a profiler variant).
+# program that sets the kernel's time). Measured on an H100 (run EY, docs/BENCHMARKS.md): no faster (45.4 us per
+# layer both ways, step span 2.253 against 2.258 ms): the program still runs 13 block iterations, and the batch-1
+# loop is bound by its iterations, not its bytes. Kept because it is neutral and makes the split geometry independent
+# of the block size. None: whole blocks (the form before; the profiler variant `split_blocks`).
 SPLIT_GRANULE: int | None = BLOCK_K
 
 

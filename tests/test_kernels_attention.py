@@ -378,6 +378,18 @@ def test_fp8_cache_dots_in_fp16_decode_like_the_reference(monkeypatch, scores, v
         check_two_decode_steps(block, layer, cache, lengths, sliding, seed=45, check_caches=sliding)
 
 
+def test_fp8_block_follows_the_gpu_kind(monkeypatch):
+    """FP8_BLOCK_K None: 64-key blocks on an H100, 128 elsewhere (an H200, or no GPU: interpret mode and lowering on
+    a CPU host); an int overrides the table on every device."""
+    monkeypatch.setattr(DA, "FP8_BLOCK_K", None)
+    assert DA.fp8_block_keys("NVIDIA H100 80GB HBM3") == 64
+    assert DA.fp8_block_keys("NVIDIA H200") == 128
+    assert DA.fp8_block_keys() == DA.full_block_keys(FP8) == 128  # this CPU host
+    assert DA.full_block_keys(jnp.bfloat16) == DA.BLOCK_K
+    monkeypatch.setattr(DA, "FP8_BLOCK_K", 256)
+    assert DA.fp8_block_keys("NVIDIA H100 80GB HBM3") == 256
+
+
 @pytest.mark.parametrize("granule,chunk,active", [(64, 1600, 63), (None, 1664, 61)], ids=["granules", "blocks"])
 def test_full_layer_chunks_are_whole_granules(monkeypatch, granule, chunk, active):
     """SPLIT_GRANULE: a full layer's split chunks are multiples of 64 keys even where the loop takes 128-key blocks
