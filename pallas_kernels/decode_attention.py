@@ -343,8 +343,8 @@ def chunk_unit(block_k: int) -> int:
 
 def split_geometry(pos, active, *, fused: bool, splits: int, min_chunk: int, unit: int):
     """How a full layer's keys are split, from the data: (length, chunk, active splits); chunks are whole multiples
-    of `unit` keys (`chunk_unit`). Fused mode attends the old keys [0, pos) from the cache and the new token from registers (split
-    0); otherwise keys [0, pos]."""
+    of `unit` keys (`chunk_unit`). Fused mode attends the old keys [0, pos) from the cache and the new token from
+    registers (split 0); otherwise keys [0, pos]."""
     q_pos = jnp.where(active, pos, -1)
     length = jnp.maximum(q_pos if fused else q_pos + 1, 0)
     chunk = jnp.maximum(pl.cdiv(pl.cdiv(length, splits), unit) * unit, min_chunk)
