@@ -478,8 +478,8 @@ def _attn_kernel(*refs, mode, ring, sliding, B, Hq, KV, G, D, window, n_slots, s
 
         def body(i, carry):
             t0 = lo + i * block_k
-            # keys of this split held in the cache: a block may end past the split's chunk (chunk_unit)
-            in_cache = ((t0 + idx0) < n_slots) & ((t0 + idx0) < hi)
+            ok = (t0 + idx0) < hi  # this split's keys: a block may end past the split's chunk (chunk_unit)
+            in_cache = ok & ((t0 + idx0) < n_slots)  # loaded: this split's keys, and only where the cache has them
             rmask = in_cache[:, None]
             # other=0.0, not 0: the Triton lowering casts `other` to the cache's dtype, and has no int -> FP8 cast
             kb1 = plgpu.load(k_ref.at[b, kv, pl.ds(t0, block_k), pl.ds(0, dh)], mask=rmask, other=0.0)
@@ -491,8 +491,8 @@ def _attn_kernel(*refs, mode, ring, sliding, B, Hq, KV, G, D, window, n_slots, s
                 vb = plgpu.load(v_ref.at[b, kv, pl.ds(t0, block_k), :], mask=rmask, other=0.0)
             vb = _from_cache(vb, _value_dtype(k_ref.dtype), compiled)
             if transposed:
-                return attend_block_t(carry, kb1, kb2, vb, (t0 + idx0) < hi)
-            return attend_block(carry, kb1, kb2, vb, (t0 + idx0) < hi)
+                return attend_block_t(carry, kb1, kb2, vb, ok)
+            return attend_block(carry, kb1, kb2, vb, ok)
 
         if transposed:
             m, l, acc_t = jax.lax.fori_loop(0, n_blocks, body, (m, l, acc.T))
@@ -642,7 +642,7 @@ def _attention_call(mode, first_args, cache, positions, active, sinks, cfg, slid
     block_k = BLOCK_K if ring else full_block_keys(cache.k.dtype)
     if block_k < BLOCK_K or block_k % BLOCK_K:
         raise ValueError(f"decode_attention.FP8_BLOCK_K must be a multiple of BLOCK_K={BLOCK_K}, got {block_k}")
-    unit = BLOCK_K if ring else chunk_unit(block_k)
+    unit = chunk_unit(block_k)  # rings: block_k = BLOCK_K = the unit
     min_chunk = -(-min_chunk // unit) * unit  # whole units
     cache_in = [cache.k, cache.v] + ([cache.pos] if ring else [])
     args = [*first_args, positions.astype(jnp.int32), active.astype(jnp.int32), sinks.astype(F32), *cache_in]

@@ -41,7 +41,8 @@ from flint_jax.config import FlintConfig  # noqa: E402
 from flint_jax.params import Attention, Layer  # noqa: E402
 from flint_jax.pallas_kernels import attention_prologue as AP  # noqa: E402
 from flint_jax.pallas_kernels import decode_attention as DA  # noqa: E402
-from flint_jax.state import FullCache, RingCache, to_cache_values, values_transposed  # noqa: E402
+from flint_jax.state import FullCache, RingCache, full_cache_of  # noqa: E402
+from kernel_sass import knobs_set  # noqa: E402  (scripts/ is this script's directory)
 
 LOG = []
 
@@ -157,11 +158,8 @@ def full_cache(key, cfg, B, S, kv_dtype=jnp.bfloat16):
     """Random K/V [B, KV, S, D] as a full cache of `kv_dtype` holds them (FP8: rounded, V in the stored layout)."""
     KV, D = cfg.num_key_value_heads, cfg.head_dim
     kk, kv = jax.random.split(key)
-    k = to_cache_values(jax.random.normal(kk, (B, KV, S, D), jnp.bfloat16), kv_dtype)
-    v = to_cache_values(jax.random.normal(kv, (B, KV, S, D), jnp.bfloat16), kv_dtype)
-    if values_transposed(kv_dtype):
-        v = jnp.swapaxes(v, 2, 3)
-    return FullCache(k=k, v=v)
+    return full_cache_of(jax.random.normal(kk, (B, KV, S, D), jnp.bfloat16),
+                         jax.random.normal(kv, (B, KV, S, D), jnp.bfloat16), kv_dtype)
 
 
 def rel_err(got, ref):
@@ -489,18 +487,11 @@ def main():
     for B, context in ((1, k100),) if args.smoke else ((1, k100), (8, k100)):
         for nw, ns, bk, programs, max_splits in FP8_SWEEP[:2] if args.smoke else FP8_SWEEP:
             def fp8_variant(B=B, context=context, nw=nw, ns=ns, bk=bk, programs=programs, max_splits=max_splits):
-                knobs = dict(NUM_WARPS=nw, NUM_STAGES=ns, FP8_BLOCK_K=bk, TARGET_PROGRAMS=programs,
-                             MAX_SPLITS=max_splits)
-                old = {name: getattr(DA, name) for name in knobs}
-                for name, value in knobs.items():
-                    setattr(DA, name, value)
-                try:
+                with knobs_set(DA, dict(NUM_WARPS=nw, NUM_STAGES=ns, FP8_BLOCK_K=bk, TARGET_PROGRAMS=programs,
+                                        MAX_SPLITS=max_splits)):
                     bench_decode_attention(cfg, P, rows, B, context, S if B == 1 else context, nf if B == 1 else 4,
                                            ref=False, kv_dtype=jnp.float8_e4m3fn,
                                            tag=f" fp8 warps={nw} stages={ns} BK={bk} programs={programs}")
-                finally:
-                    for name, value in old.items():
-                        setattr(DA, name, value)
             section(f"fp8sweep:B{B}", fp8_variant)
     save()
     log("\n| kernel | shape | context | us | GB/s | % of peak | device us | % of device peak | XLA ref us | rel err |")

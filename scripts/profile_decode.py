@@ -83,10 +83,10 @@ def _variants():
         "fp8_bk128": [(DA, "FP8_BLOCK_K", 128)],  # the same bytes per block as BF16's 64 keys
         "fp8_bk256": [(DA, "FP8_BLOCK_K", 256)],  # run EU's ran on V transposed: fp8_v_transposed+fp8_bk256 now
         "fp8_warps8": [(DA, "NUM_WARPS", 8)],  # full layers only (the rings keep RING_NUM_WARPS)
-        # full layers in fewer warps per program and as many more splits (the SMs as full; fewer cross-warp
-        # reductions and barriers per key block), 64-key FP8 blocks so that 4 or 8 programs' stages fit an SM
         # full layers' split chunks in whole blocks (before SPLIT_GRANULE: FP8 at 100K, B = 1: 61 splits of 1,664 keys)
         "split_blocks": [(DA, "SPLIT_GRANULE", None)],
+        # full layers in fewer warps per program and as many more splits (the SMs as full; fewer cross-warp
+        # reductions and barriers per key block), 64-key FP8 blocks so that 4 or 8 programs' stages fit an SM
         "fp8_warps2_splits": [(DA, "NUM_WARPS", 2), (DA, "TARGET_PROGRAMS", 528), (DA, "FP8_BLOCK_K", 64)],
         "fp8_warps1_splits": [(DA, "NUM_WARPS", 1), (DA, "TARGET_PROGRAMS", 1056), (DA, "MAX_SPLITS", 256),
                               (DA, "FP8_BLOCK_K", 64), (DA, "NUM_STAGES", 2)],
