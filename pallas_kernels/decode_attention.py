@@ -99,6 +99,10 @@ PV_MODE = "tf32"
 # long contexts: 64 at B = 1) go to the `combine` kernel, which folds them in parallel over (sequence, head)
 # programs: one program folding 128 splits cost 113 us per layer at 100K on the H200 (docs/BENCHMARKS.md).
 MAX_SPLITS_IN_KERNEL = 16
+# Every split of a full layer stores its partials, those past the data too (theirs are neutral: m = -inf, l = 0,
+# acc = 0), so `combine` loads all of them at once (True) instead of first loading the sequence's position and
+# computing which splits hold data (False: one dependent round of loads more in each full layer's combine).
+NEUTRAL_PARTIALS = True
 # The fold loads the partials of as many splits at once as keep [heads, splits, D] within FOLD_VALUES f32 values
 # (64 per thread at 4 warps): a ring's 8 splits of 8 heads in one load.
 FOLD_VALUES = 8192
@@ -513,11 +517,15 @@ def _attn_kernel(*refs, mode, ring, sliding, B, Hq, KV, G, D, window, n_slots, s
     else:
         acc_ref, m_ref, l_ref = outs[1:4] if combine_here else outs[:3]
 
-        @pl.when(s < n_active)  # splits past the data write nothing; combine does not read them
-        def _():
+        def store_partials():
             plgpu.store(acc_ref.at[b, heads, s, :], acc, mask=gmask)
             plgpu.store(m_ref.at[b, heads, s], m, mask=gmask[:, 0])
             plgpu.store(l_ref.at[b, heads, s], l, mask=gmask[:, 0])
+
+        if NEUTRAL_PARTIALS and not combine_here:  # splits past the data store their neutral partials
+            store_partials()
+        else:  # splits past the data write nothing; the fold does not read them
+            pl.when(s < n_active)(store_partials)
 
         if combine_here:
             o_ref, cnt_ref = outs[0], outs[4]
@@ -568,7 +576,8 @@ def _attn_kernel(*refs, mode, ring, sliding, B, Hq, KV, G, D, window, n_slots, s
 def _combine_kernel(acc_ref, m_ref, l_ref, sink_ref, pos_ref, act_ref, o_ref, *, ring, fused, splits, min_chunk,
                     unit, batch):
     """splits: the attention kernel's split count; the partials' split axis may be longer (padded to a power of
-    two), and only the first n_active entries are read. Rows of o past `batch` (padding rows) get zeros."""
+    two); the first `splits` entries are read (without NEUTRAL_PARTIALS: the first n_active, those that hold data).
+    Rows of o past `batch` (padding rows) get zeros."""
     b, h = pl.program_id(0), pl.program_id(1)
 
     def row():
@@ -587,7 +596,7 @@ def _combine_kernel(acc_ref, m_ref, l_ref, sink_ref, pos_ref, act_ref, o_ref, *,
 
 def _combine_row(acc_ref, m_ref, l_ref, sink_ref, pos_ref, act_ref, o_ref, b, h, *, ring, fused, splits,
                  min_chunk, unit):
-    if ring:
+    if ring or NEUTRAL_PARTIALS:  # every split's partials were stored (static count: no load waits for pos)
         n_active = splits
     else:
         _, _, n_active = split_geometry(pos_ref[b], act_ref[b] != 0, fused=fused, splits=splits,
@@ -609,8 +618,9 @@ def combine(acc, m, l, sinks, positions, active, *, ring: bool, fused: bool, min
             interpret: bool = False, splits: int | None = None, out_rows: int | None = None, unit: int = BLOCK_K):
     """Fold split partials (acc [B, Hq, S, D], running max m and sum l [B, Hq, S]) and the sinks -> o bf16
     [out_rows, Hq, D] (default B; rows past B are zeros: the padding rows a decode step carries, model.Blocks.rows).
-    Only the splits that `split_geometry` says hold data are read (min_chunk and unit: the attention's). splits:
-    the attention's split count (default S; S may be padded past it to a power of two)."""
+    Every one of the attention's `splits` is read (NEUTRAL_PARTIALS), or only those that `split_geometry` says
+    hold data (min_chunk and unit: the attention's). splits: the attention's split count (default S; S may be padded
+    past it to a power of two)."""
     B, Hq, S, D = acc.shape
     out_rows = out_rows or B
     kernel = functools.partial(_combine_kernel, ring=ring, fused=fused, splits=splits or S, min_chunk=min_chunk,

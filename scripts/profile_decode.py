@@ -85,6 +85,9 @@ def _variants():
         "fp8_warps8": [(DA, "NUM_WARPS", 8)],  # full layers only (the rings keep RING_NUM_WARPS)
         # full layers' split chunks in whole blocks (before SPLIT_GRANULE: FP8 at 100K, B = 1: 61 splits of 1,664 keys)
         "split_blocks": [(DA, "SPLIT_GRANULE", None)],
+        # full layers' splits past the data store nothing, and `combine` first loads the position to know which
+        # splits to read (before NEUTRAL_PARTIALS)
+        "partials_with_data": [(DA, "NEUTRAL_PARTIALS", False)],
         # full layers in fewer warps per program and as many more splits (the SMs as full; fewer cross-warp
         # reductions and barriers per key block), 64-key FP8 blocks so that 4 or 8 programs' stages fit an SM
         "fp8_warps2_splits": [(DA, "NUM_WARPS", 2), (DA, "TARGET_PROGRAMS", 528), (DA, "FP8_BLOCK_K", 64)],

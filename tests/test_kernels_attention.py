@@ -681,3 +681,18 @@ def test_qkv_projection_load_order_knobs_keep_the_output_bits(monkeypatch):
         monkeypatch.setattr(wt, "EARLY_EPILOGUE_LOADS", flag)
         outs.append(np.asarray(AP.qkv_projection(h, layer.attn_norm, layer.attn, CFG, interpret=INTERPRET)))
     np.testing.assert_array_equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("neutral", [True, False], ids=["neutral-partials", "partials-with-data-only"])
+@pytest.mark.parametrize("splits,min_chunk", [(4, 128), (33, 64)])
+def test_full_layer_splits_past_the_data(monkeypatch, neutral, splits, min_chunk):
+    """Splits past a sequence's keys (and every split of the inactive sequence): with NEUTRAL_PARTIALS they store
+    m = -inf, l = 0, acc = 0 and `combine` folds all of them; without, they store nothing and `combine` reads only
+    the splits that hold data. Interpret mode fills unwritten outputs with NaN, so a split that neither stores nor
+    is skipped would show here."""
+    monkeypatch.setattr(DA, "NEUTRAL_PARTIALS", neutral)
+    monkeypatch.setattr(DA, "COMBINE_IN_KERNEL", False)
+    attend = _jit(DA.decode_attention, "cfg", "sliding", "splits", "min_chunk")  # a fresh trace sees the flag
+    monkeypatch.setitem(globals(), "attend_k", attend)
+    check_attention(full_cache(jax.random.key(6), len(FULL_POSITIONS)), FULL_POSITIONS, "large", sliding=False,
+                    splits=splits, min_chunk=min_chunk)
