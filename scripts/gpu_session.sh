@@ -24,6 +24,7 @@
 #                (run EU also timed V transposed with fp8_heads_on_m, fp8_bk256, attn_two_waves: slower; five
 #                variants took 360 s on an H100)
 #   decode_fp8   bench_decode on FP8 full caches: batch 1 at 100K, 262K and 8K (with the engine burst at 100K)
+#                ($DECODE_FP8_WEIGHTS=nvfp4,bf16 adds BF16 weights: an H200 only, they do not fit an H100)
 #   ttft_fp8     the 100K TTFT on the engine's path with FP8 full caches (bench_prefill.py --kv-dtype fp8)
 # Run from the repo root through the device tool with carry=[".whl"] (the gguf wheel), e.g.
 #   bash scripts/gpu_session.sh 560 tests profile
@@ -93,8 +94,8 @@ for p in $parts; do
              python3 scripts/profile_decode.py --out $work/profile_fp8_b8 --weights nvfp4 --impls pallas \
              --context 100000 --kv-dtype fp8 --batch 8 --variants base,fp8_v_transposed" ;;
     decode_fp8) part decode_fp8 ${DECODE_FP8_LIMIT:-330} python3 scripts/bench_decode.py --out "$work/decode_fp8" \
-             --weights nvfp4 --impls pallas:stacked --batches 1 --contexts 100000,262144,8192 --served-steps 4 \
-             --kv-dtype fp8 --budget-s ${DECODE_FP8_BUDGET:-300} ;;
+             --weights ${DECODE_FP8_WEIGHTS:-nvfp4} --impls pallas:stacked --batches 1 --contexts 100000,262144,8192 \
+             --served-steps 4 --kv-dtype fp8 --budget-s ${DECODE_FP8_BUDGET:-300} ;;
     ttft_fp8) part ttft_fp8 ${TTFT_FP8_LIMIT:-150} python3 scripts/bench_prefill.py --out "$work/ttft_fp8" \
              --weights nvfp4 --kv-dtype fp8 --skip moe,attn,jax,extras,prefill,routing --no-sweep \
              --budget-s $(( ${TTFT_FP8_LIMIT:-150} - 15 )) ;;
