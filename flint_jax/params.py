@@ -187,15 +187,22 @@ def param_count(cfg: FlintConfig) -> ParamCount:
     return ParamCount(total=total, active=total - inactive, embedding=desc.embed.numel)
 
 
+def _leaf_bytes(leaf: Leaf) -> float:
+    """Bytes of one parameter as stored: NVFP4 codes, E4M3 block scales and an FP32 global scale per matrix."""
+    if leaf.quantized:
+        return leaf.numel * (0.5 + 1 / nvfp4.BLOCK) + 4 * math.prod(leaf.shape[:-2])
+    return leaf.numel * jnp.dtype(leaf.dtype).itemsize
+
+
+def weight_bytes_total(cfg: FlintConfig, weights: WeightFormat) -> int:
+    """Bytes the whole parameter set takes on a device: every expert, the embedding and the LM head."""
+    return int(sum(_leaf_bytes(l) for l in jax.tree.leaves(describe(cfg, weights), is_leaf=_is_leaf)))
+
+
 def weight_bytes_per_token(cfg: FlintConfig, weights: WeightFormat) -> int:
     """Bytes of weights a batch-1 decode step must read: active linears, norms, router, one embedding row."""
     desc = describe(cfg, weights)
-
-    def nbytes(leaf: Leaf) -> float:
-        if leaf.quantized:
-            return leaf.numel * (0.5 + 1 / nvfp4.BLOCK) + 4 * math.prod(leaf.shape[:-2])
-        return leaf.numel * jnp.dtype(leaf.dtype).itemsize
-
+    nbytes = _leaf_bytes
     total = sum(nbytes(l) for l in jax.tree.leaves(desc, is_leaf=_is_leaf))
     total -= nbytes(desc.embed) - desc.embed.shape[1] * 2
     for layer in desc.layers:

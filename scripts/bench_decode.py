@@ -43,6 +43,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from flint_jax import device_trace  # noqa: E402
+from flint_jax.device_memory import model_shortfall  # noqa: E402
 from flint_jax import engine as E  # noqa: E402
 from flint_jax import model as M  # noqa: E402
 from flint_jax.config import FlintConfig  # noqa: E402
@@ -263,7 +264,7 @@ def main(argv=None) -> int:
     dev = jax.devices()[0]
     log(f"device: {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}")
     results = {"device": dev.device_kind, "jax": jax.__version__, "config": "tiny" if args.tiny else "flint",
-               "date": time.strftime("%Y-%m-%d"), "points": []}
+               "date": time.strftime("%Y-%m-%d"), "points": [], "skipped": []}
     results["hbm"] = hbm_bandwidth(256 << 20 if args.tiny else 4 << 30)
     peak = results["hbm"]["read_GBps"]
     log(f"HBM: read {peak:.0f} GB/s, copy {results['hbm']['copy_GBps']:.0f} GB/s")
@@ -271,7 +272,16 @@ def main(argv=None) -> int:
     def over_budget():
         return time.time() - t_start > args.budget_s
 
+    def skip(what: str, why: str, **where):
+        log(f"{what}: skipped: {why}")
+        results["skipped"].append({**where, "reason": why})
+
+    stacking = any(":" in entry for entry in args.impls.split(","))
     for weights in args.weights.split(","):
+        why = model_shortfall(cfg, weights, stacking=stacking)
+        if why:  # e.g. BF16 Flint on an H100: say so now, not as an XLA allocation failure minutes later
+            skip(weights, why, weights=weights)
+            continue
         t = time.time()
         params = init_params(cfg, jax.random.key(1), weights)  # eager: one small program per leaf shape
         jax.block_until_ready(params)
@@ -308,6 +318,10 @@ def main(argv=None) -> int:
                     if not ctxs:
                         continue
                     max_len = max(ctxs) + 8
+                why = model_shortfall(cfg, weights, batch=batch, max_len=max_len, kv_dtype=args.kv_dtype)
+                if why:
+                    skip(f"{weights}/{impl} B={batch}", why, weights=weights, impl=impl, batch=batch)
+                    continue
                 state = random_state(cfg, batch, max_len, ctxs[0], jax.random.key(2), args.kv_dtype)
                 if stacked_caches:
                     state = KVState(stack_caches(state.layers), state.lengths)
@@ -411,6 +425,9 @@ def write_markdown(results: dict, path: str) -> None:
                      f"{ms(p, 'forward_wall_ms')} | {ms(p, 'served_ms')} | {ms(p, 'served_wall_ms')} | "
                      f"{ms(p, 'served_burst_wall_ms_per_token')} | {p['kernels']} | {p['bytes'] / 1e9:.2f} | "
                      f"{p['roofline_ms']:.3f} | {100 * p['hbm_fraction']:.0f}% |")
+    for entry in results.get("skipped", []):
+        where = ", ".join(f"{k} {v}" for k, v in entry.items() if k != "reason")
+        lines.append(f"\nSkipped ({where}): {entry['reason']}.")
     lines += ["", *vllm_table(results)]
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")

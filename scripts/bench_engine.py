@@ -39,6 +39,7 @@ from flint_jax.engine import Engine  # noqa: E402
 from flint_jax.layer_stack import StackedParams  # noqa: E402
 from flint_jax.pallas_path import engine_layout  # noqa: E402
 from flint_jax.params import init_params  # noqa: E402
+from flint_jax.device_memory import model_shortfall  # noqa: E402
 from flint_jax.sampling import SamplingParams  # noqa: E402
 
 
@@ -156,13 +157,17 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     dev = jax.devices()[0]
     log(f"device: {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}")
+    max_len = args.prompt_tokens + args.new_tokens + 8
+    why = model_shortfall(cfg, args.weights, batch=1, max_len=max_len,
+                          stacking=any(layout != "layers" for _, _, layout in variants))
+    if why:  # e.g. BF16 Flint on an H100: say so now, not as an XLA allocation failure minutes later
+        raise SystemExit(f"bench_engine: {why}")
     t = time.time()
     params = init_params(cfg, jax.random.key(1), args.weights)
     jax.block_until_ready(params)
     log(f"{args.weights}: synthetic params built in {time.time() - t:.1f}s")
     prompt = [int(v) for v in np.random.default_rng(0).integers(0, cfg.vocab_size, args.prompt_tokens)]
     sampling = SamplingParams(max_tokens=args.new_tokens, seed=7)  # the defaults 1.0 / 0.95 / 20, no stop tokens
-    max_len = args.prompt_tokens + args.new_tokens + 8
     rows, tokens_seen = [], None
     for steps, overlap, layout in variants:
         if layout != "layers" and not isinstance(params, StackedParams):

@@ -66,6 +66,7 @@ from flint_jax import nvfp4  # noqa: E402
 from flint_jax import prefill as P  # noqa: E402
 from flint_jax import prefill_pipeline as PP  # noqa: E402
 from flint_jax.config import FlintConfig  # noqa: E402
+from flint_jax.device_memory import model_shortfall  # noqa: E402
 from flint_jax.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P  # noqa: E402
 from flint_jax import params as params_mod  # noqa: E402
 from flint_jax.pallas_kernels import grouped_matmul as gm  # noqa: E402
@@ -1267,6 +1268,11 @@ def main(argv=None) -> int:
             reserve = 0 if (tiny or i == len(kinds) - 1) else 35
             if not run.allows(60 if not tiny else 5, f"{kind} model (init + prefill)"):
                 break
+            why = model_shortfall(cfg, kind)
+            if why:  # e.g. BF16 Flint on an H100: say so now, not as an XLA allocation failure minutes later
+                log(f"{kind}: skipped: {why}")
+                run.results["skipped"].append(f"{kind} model: {why}")
+                continue
             t = time.perf_counter()
             params = sync(params_mod.init_params(cfg, jax.random.key(0), kind))
             log(f"{kind}: parameters initialised on the device in {time.perf_counter() - t:.1f} s")

@@ -38,6 +38,7 @@ from bench_decode import count_kernels, log, make_steps, random_state, time_step
 from flint_jax import device_trace  # noqa: E402
 from flint_jax.config import FlintConfig  # noqa: E402
 from flint_jax.params import init_params  # noqa: E402
+from flint_jax.device_memory import model_shortfall  # noqa: E402
 
 
 def _variants():
@@ -233,7 +234,20 @@ def main(argv=None) -> int:
               "step": "served" if args.served else "forward", "runs": []}
     md = [f"Device {report['device']}, batch {args.batch}, context {context}, {args.kv_dtype} full KV caches, "
           f"{args.steps} traced {report['step']} steps.", ""]
+    def save():
+        with open(os.path.join(args.out, "profile.json"), "w") as f:
+            json.dump(report, f, indent=1)
+        with open(os.path.join(args.out, "profile.md"), "w") as f:
+            f.write("\n".join(md) + "\n")
+
     for weights in args.weights.split(","):
+        why = model_shortfall(cfg, weights, batch=args.batch, max_len=context + 8, kv_dtype=args.kv_dtype)
+        if why:  # e.g. BF16 Flint on an H100: say so now, not as an XLA allocation failure minutes later
+            log(f"{weights}: skipped: {why}")
+            report.setdefault("skipped", []).append({"weights": weights, "reason": why})
+            md += [f"## {weights}: skipped", "", why + ".", ""]
+            save()
+            continue
         params = init_params(cfg, jax.random.key(1), weights)
         jax.block_until_ready(params)
         runs = [(impl, v) for impl in args.impls.split(",")
@@ -285,10 +299,7 @@ def main(argv=None) -> int:
             md.append("")
             top = ", ".join(f"{r['name'][:28]} {r['us_per_step']:.0f}" for r in s["rows"][:8])
             log(f"{tag}: top kernels (us/step): {top}")
-            with open(os.path.join(args.out, "profile.json"), "w") as f:
-                json.dump(report, f, indent=1)
-            with open(os.path.join(args.out, "profile.md"), "w") as f:
-                f.write("\n".join(md) + "\n")
+            save()
             del state
         del params
     return 0
