@@ -6,7 +6,7 @@ know the sizes beforehand: Flint's weights (`params.weight_bytes_total`: 22.9 GB
 stacking headroom (`layer_stack.MAX_CHUNK_BYTES`) and the KV state (`state.state_bytes`). So they ask first:
 
     why = model_shortfall(cfg, "bf16", stacking=True)
-    if why: skip, and say why     # BF16 Flint on an H100: 81.6 GB against XLA's 73.2 GB
+    if why: skip, and say why     # BF16 Flint on an H100: 81.6 GB against XLA's ~78 GB
 
 The limit is the allocator's (`Device.memory_stats()["bytes_limit"]`: the GPU's memory times
 XLA_PYTHON_CLIENT_MEM_FRACTION), lowered to $FLINT_MEMORY_LIMIT_GB where that is set (a GPU shared with other
