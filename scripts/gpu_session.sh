@@ -24,7 +24,10 @@
 #                (run EU also timed V transposed with fp8_heads_on_m, fp8_bk256, attn_two_waves: slower; five
 #                variants took 360 s on an H100)
 #   decode_fp8   bench_decode on FP8 full caches: batch 1 at 100K, 262K and 8K (with the engine burst at 100K)
-#                ($DECODE_FP8_WEIGHTS=nvfp4,bf16 adds BF16 weights: an H200 only, they do not fit an H100)
+#                ($DECODE_FP8_WEIGHTS=nvfp4,bf16 adds BF16 weights: an H200 only, they do not fit an H100;
+#                $DECODE_FP8_CONTEXTS, $DECODE_FP8_SERVED_STEPS=0 and $DECODE_FP8_XLA_POINTS= shorten it)
+#   fp8sweep     the FP8 full-layer kernel alone over its warps / stages / block / splits grid, batch 1 and 8 at 100K
+#                (scripts/bench_kernels_attention.py --sections bw,fp8sweep; run EX timed it on an H100)
 #   ttft_fp8     the 100K TTFT on the engine's path with FP8 full caches (bench_prefill.py --kv-dtype fp8)
 # Run from the repo root through the device tool with carry=[".whl"] (the gguf wheel), e.g.
 #   bash scripts/gpu_session.sh 560 tests profile
@@ -94,8 +97,11 @@ for p in $parts; do
              python3 scripts/profile_decode.py --out $work/profile_fp8_b8 --weights nvfp4 --impls pallas \
              --context 100000 --kv-dtype fp8 --batch 8 --variants base,fp8_v_transposed" ;;
     decode_fp8) part decode_fp8 ${DECODE_FP8_LIMIT:-330} python3 scripts/bench_decode.py --out "$work/decode_fp8" \
-             --weights ${DECODE_FP8_WEIGHTS:-nvfp4} --impls pallas:stacked --batches 1 --contexts 100000,262144,8192 \
-             --served-steps 4 --kv-dtype fp8 --budget-s ${DECODE_FP8_BUDGET:-300} ;;
+             --weights ${DECODE_FP8_WEIGHTS:-nvfp4} --impls pallas:stacked --batches 1 \
+             --contexts ${DECODE_FP8_CONTEXTS:-100000,262144,8192} --served-steps ${DECODE_FP8_SERVED_STEPS:-4} \
+             --xla-points "${DECODE_FP8_XLA_POINTS-1:8192,1:100000}" --kv-dtype fp8 --budget-s ${DECODE_FP8_BUDGET:-300} ;;
+    fp8sweep) part fp8sweep ${FP8SWEEP_LIMIT:-200} python3 scripts/bench_kernels_attention.py --out "$work/fp8sweep" \
+             --skip-tests --sections bw,fp8sweep ;;
     ttft_fp8) part ttft_fp8 ${TTFT_FP8_LIMIT:-150} python3 scripts/bench_prefill.py --out "$work/ttft_fp8" \
              --weights nvfp4 --kv-dtype fp8 --skip moe,attn,jax,extras,prefill,routing --no-sweep \
              --budget-s $(( ${TTFT_FP8_LIMIT:-150} - 15 )) ;;
@@ -111,4 +117,5 @@ for f in profile/profile.md profile_bf16/profile.md decode/results.md decode8/re
   [ -f "$work/$f" ] && cp "$work/$f" "$OUT/$(dirname "$f").md"
   [ -f "$work/$(dirname "$f")/results.json" ] && cp "$work/$(dirname "$f")/results.json" "$OUT/$(dirname "$f").json"
 done
+[ -f "$work/fp8sweep/attention_bench.json" ] && cp "$work/fp8sweep/attention_bench.json" "$OUT/fp8sweep.json"
 cat "$work/summary.txt"
