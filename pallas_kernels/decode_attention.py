@@ -95,6 +95,12 @@ ROPE_TABLE = True
 # 43.9 us (then with the PTX decode), so "tf32" stays.
 PV_MODES = ("tf32", "bf16x2", "bf16")
 PV_MODE = "tf32"
+# Full layers: each split loads its first key block (keys, values) before the query's loads and head norms, as the
+# ring splits do (RING_PRELOAD), so the block's latency overlaps the prologue's instead of following it; the loop
+# then starts at the second block. Without it the loop's pipelined loads are issued only once the prologue's chain
+# (raw q/k/v loads, head norms, the new token's K/V write) is done. A split with no keys attends a fully masked
+# block (a no-op on its state). Off until measured in the step (profiler variant `full_preload`).
+FULL_PRELOAD = False
 # The last-arriving program folds at most this many splits (FOLD_VALUES below per load); more splits (full layers at
 # long contexts: 64 at B = 1) go to the `combine` kernel, which folds them in parallel over (sequence, head)
 # programs: one program folding 128 splits cost 113 us per layer at 100K on the H200 (docs/BENCHMARKS.md).
@@ -379,6 +385,29 @@ def _attn_kernel(*refs, mode, ring, sliding, B, Hq, KV, G, D, window, n_slots, s
     kpos_ref = cache_in[2] if ring else None
     pos = pos_ref[b]
     active = act_ref[b] != 0
+    if not ring:  # this split's key range [lo, hi), from the data
+        length, chunk, n_active = split_geometry(pos, active, fused=mode == "fused", splits=splits,
+                                                 min_chunk=min_chunk, unit=unit)
+        lo = s * chunk
+        hi = jnp.minimum(length, lo + chunk)
+        n_blocks = pl.cdiv(jnp.maximum(hi - lo, 0), block_k)
+        idx0 = jnp.arange(block_k)
+
+        def load_full_block(t0):  # keys [t0, t0 + block_k) as stored, and which of them this split attends
+            ok = (t0 + idx0) < hi  # this split's keys: a block may end past the split's chunk (chunk_unit)
+            in_cache = ok & ((t0 + idx0) < n_slots)  # loaded: this split's keys, and only where the cache has them
+            rmask = in_cache[:, None]
+            # other=0.0, not 0: the Triton lowering casts `other` to the cache's dtype, and has no int -> FP8 cast
+            kb1 = plgpu.load(k_ref.at[b, kv, pl.ds(t0, block_k), pl.ds(0, dh)], mask=rmask, other=0.0)
+            kb2 = plgpu.load(k_ref.at[b, kv, pl.ds(t0, block_k), pl.ds(dh, dh)], mask=rmask, other=0.0)
+            if v_t:  # V^T [D, block_k]
+                vb = plgpu.load(v_ref.at[b, kv, :, pl.ds(t0, block_k)], mask=in_cache[None, :], other=0.0)
+            else:
+                vb = plgpu.load(v_ref.at[b, kv, pl.ds(t0, block_k), :], mask=rmask, other=0.0)
+            return kb1, kb2, vb, ok
+
+        if FULL_PRELOAD:  # issued before the query's loads: the two latencies overlap
+            first_block = load_full_block(lo)
     if ring:
         chunk, extra, preload = ring_geometry(n_slots, splits)
         lo = s * chunk
@@ -473,36 +502,23 @@ def _attn_kernel(*refs, mode, ring, sliding, B, Hq, KV, G, D, window, n_slots, s
 
         m, l, acc = jax.lax.fori_loop(0, n_blocks, body, (m, l, acc))
     else:
-        length, chunk, n_active = split_geometry(pos, active, fused=mode == "fused", splits=splits,
-                                                 min_chunk=min_chunk, unit=unit)
-        lo = s * chunk
-        hi = jnp.minimum(length, lo + chunk)
-        n_blocks = pl.cdiv(jnp.maximum(hi - lo, 0), block_k)
-        idx0 = jnp.arange(block_k)
-
-        def body(i, carry):
-            t0 = lo + i * block_k
-            ok = (t0 + idx0) < hi  # this split's keys: a block may end past the split's chunk (chunk_unit)
-            in_cache = ok & ((t0 + idx0) < n_slots)  # loaded: this split's keys, and only where the cache has them
-            rmask = in_cache[:, None]
-            # other=0.0, not 0: the Triton lowering casts `other` to the cache's dtype, and has no int -> FP8 cast
-            kb1 = plgpu.load(k_ref.at[b, kv, pl.ds(t0, block_k), pl.ds(0, dh)], mask=rmask, other=0.0)
-            kb2 = plgpu.load(k_ref.at[b, kv, pl.ds(t0, block_k), pl.ds(dh, dh)], mask=rmask, other=0.0)
+        def attend_full(carry, block):
+            kb1, kb2, vb, ok = block
             kb1, kb2 = _from_cache(kb1, score_dtype, compiled), _from_cache(kb2, score_dtype, compiled)
-            if v_t:  # V^T [D, block_k]
-                vb = plgpu.load(v_ref.at[b, kv, :, pl.ds(t0, block_k)], mask=in_cache[None, :], other=0.0)
-            else:
-                vb = plgpu.load(v_ref.at[b, kv, pl.ds(t0, block_k), :], mask=rmask, other=0.0)
             vb = _from_cache(vb, _value_dtype(k_ref.dtype), compiled)
             if transposed:
                 return attend_block_t(carry, kb1, kb2, vb, ok)
             return attend_block(carry, kb1, kb2, vb, ok)
 
+        def body(i, carry):
+            return attend_full(carry, load_full_block(lo + i * block_k))
+
+        carry, start = (m, l, acc.T if transposed else acc), 0
+        if FULL_PRELOAD:
+            carry, start = attend_full(carry, first_block), 1
+        m, l, acc = jax.lax.fori_loop(start, n_blocks, body, carry)
         if transposed:
-            m, l, acc_t = jax.lax.fori_loop(0, n_blocks, body, (m, l, acc.T))
-            acc = acc_t.T
-        else:
-            m, l, acc = jax.lax.fori_loop(0, n_blocks, body, (m, l, acc))
+            acc = acc.T
 
     heads = pl.ds(kv * G, rows)
     if splits == 1:

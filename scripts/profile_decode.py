@@ -89,6 +89,8 @@ def _variants():
         # full layers' splits past the data store nothing, and `combine` first loads the position to know which
         # splits to read (before NEUTRAL_PARTIALS)
         "partials_with_data": [(DA, "NEUTRAL_PARTIALS", False)],
+        # full layers' splits load their first key block before the query's prologue (DA.FULL_PRELOAD)
+        "full_preload": [(DA, "FULL_PRELOAD", True)],
         # full layers in fewer warps per program and as many more splits (the SMs as full; fewer cross-warp
         # reductions and barriers per key block), 64-key FP8 blocks so that 4 or 8 programs' stages fit an SM
         "fp8_warps2_splits": [(DA, "NUM_WARPS", 2), (DA, "TARGET_PROGRAMS", 528), (DA, "FP8_BLOCK_K", 64)],

@@ -696,3 +696,43 @@ def test_full_layer_splits_past_the_data(monkeypatch, neutral, splits, min_chunk
     monkeypatch.setitem(globals(), "attend_k", attend)
     check_attention(full_cache(jax.random.key(6), len(FULL_POSITIONS)), FULL_POSITIONS, "large", sliding=False,
                     splits=splits, min_chunk=min_chunk)
+
+
+@pytest.mark.parametrize("cache_kind", ["bf16", "fp8", "fp8-v-transposed"])
+def test_full_layer_first_block_preloaded(monkeypatch, cache_kind):
+    """FULL_PRELOAD: each full-layer split loads its first key block before the query's prologue and its loop starts
+    at the second block. Two fused decode steps (lengths 0, 63, 64, 190 in 4 splits of 64 keys: empty splits, a
+    split ending mid-block; one sequence inactive) on BF16 and FP8 caches (V key-major and transposed, keys on M),
+    and, on a BF16 cache, the unfused kernel at 4 and 33 splits with every sink, decode like the reference."""
+    from flint_jax import state as ST
+    monkeypatch.setattr(DA, "FULL_PRELOAD", True)
+    monkeypatch.setattr(ST, "FP8_V_TRANSPOSED", cache_kind == "fp8-v-transposed")
+    block = _jit(DA.attention_block_decode, "cfg", "sliding", "splits", "min_chunk")  # a fresh trace sees the knob
+    layer, cache, lengths = block_case(False, seed=50, fp8=cache_kind != "bf16")
+    check_two_decode_steps(block, layer, cache, lengths, False, seed=51, check_caches=cache_kind == "bf16")
+    if cache_kind == "bf16":
+        monkeypatch.setitem(globals(), "attend_k", _jit(DA.decode_attention, "cfg", "sliding", "splits", "min_chunk"))
+        for splits, min_chunk in ((4, 64), (33, 64)):
+            for sink in SINKS:
+                check_attention(full_cache(jax.random.key(6), len(FULL_POSITIONS)), FULL_POSITIONS, sink,
+                                sliding=False, splits=splits, min_chunk=min_chunk)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_full_layer_preload_lowers_to_triton(monkeypatch):
+    """FULL_PRELOAD's kernels lower for the H200 (BF16 and FP8 full caches), and differ from the default's."""
+    from jax._src.pallas.triton import gpu_info, pallas_call_registration
+    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
+                        lambda: gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200))
+    pos, active = jnp.array([3, 40], jnp.int32), jnp.array([True, False])
+    h = jnp.zeros((2, CFG.hidden_size), jnp.bfloat16)
+    full = full_cache(jax.random.key(0), 2)
+    layer = params("nvfp4").layers[1]
+    for cache in (full, full_cache_of(full.k, full.v, FP8)):
+        texts = []
+        for preload in (False, True):
+            monkeypatch.setattr(DA, "FULL_PRELOAD", preload)
+            fn = lambda c: DA.attention_block_decode(h, layer, c, pos, active, CFG, False, 4, 64)  # a fresh trace
+            texts.append(jax.jit(fn).trace(cache).lower(lowering_platforms=("cuda",)).as_text())
+            assert "__gpu$xla.gpu.triton" in texts[-1]
+        assert texts[0] != texts[1]
