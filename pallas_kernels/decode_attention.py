@@ -99,7 +99,10 @@ PV_MODE = "tf32"
 # ring splits do (RING_PRELOAD), so the block's latency overlaps the prologue's instead of following it; the loop
 # then starts at the second block. Without it the loop's pipelined loads are issued only once the prologue's chain
 # (raw q/k/v loads, head norms, the new token's K/V write) is done. A split with no keys attends a fully masked
-# block (a no-op on its state). Off until measured in the step (profiler variant `full_preload`).
+# block (a no-op on its state). Off: measured slower on an H100 (run FB, docs/BENCHMARKS.md, NVFP4 step at 100K,
+# batch 1, profiler variant `full_preload`): FP8 caches 40.3 -> 41.2 us per full layer (span 2.178 -> 2.210 ms),
+# BF16 caches 71.1 -> 71.7 us. The block held in registers across the prologue costs more than the latency it hides:
+# with one wave of 256 programs streaming ~1,600 keys each, the loop's own ramp is not what sets the time.
 FULL_PRELOAD = False
 # The last-arriving program folds at most this many splits (FOLD_VALUES below per load); more splits (full layers at
 # long contexts: 64 at B = 1) go to the `combine` kernel, which folds them in parallel over (sequence, head)
