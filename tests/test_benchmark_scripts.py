@@ -325,3 +325,39 @@ def test_probe_lanes_tiny(tmp_path):
     p = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "probe_lanes.py"), "--tiny", "--out",
                         str(tmp_path), "--variants", "b2,lanes9"], capture_output=True, text=True, cwd=ROOT)
     assert p.returncode == 2 and "unknown variants ['lanes9']" in p.stderr
+
+
+def test_ncu_decode_tiny():
+    """The Nsight Compute driver runs the Pallas forward (tiny config, interpret mode) and marks where the profiled
+    steps start; bad arguments are refused."""
+    out = run_script("ncu_decode.py", "--tiny", "--steps", "1")
+    assert "NCU_MARK steps start" in out and "ran 1 steps" in out
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "ncu_decode.py"), "--tiny", "--steps", "0"],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert p.returncode == 2 and "at least 1" in p.stderr
+
+
+def test_ncu_table_summarises_a_raw_page(tmp_path):
+    """ncu_table.py averages launches per kernel, converts units (ns -> us), lists the largest stall reasons, shows
+    a missing metric as "-", sorts by duration, and refuses a file that is not an ncu raw page."""
+    raw = tmp_path / "raw.csv"
+    stall = "smsp__average_warps_issue_stalled_{}_per_issue_active.ratio"
+    raw.write_text(
+        "==PROF== Connected to process\n"
+        f'"ID","Kernel Name","launch__grid_size","gpu__time_duration.sum","{stall.format("long_scoreboard")}",'
+        f'"{stall.format("barrier")}","{stall.format("wait")}"\n'
+        '"","","","nsecond","ratio","ratio","ratio"\n'
+        '"0","qkv_projection","320","6,000","12.0","3.0","0"\n'
+        '"1","qkv_projection","320","7,000","14.0","1.0","0"\n'
+        '"2","moe_gate_up_nvfp4","448","8,700","15.0","6.0","2.5"\n')
+    out = run_script("ncu_table.py", str(raw))
+    rows = [line for line in out.splitlines() if line.startswith("| `")]
+    assert rows[0].startswith("| `moe_gate_up_nvfp4` | 1 | 448 | - |")  # the longer kernel first; no block size
+    cells = [c.strip() for c in rows[1].strip("|").split("|")]
+    assert cells[:2] == ["`qkv_projection`", "2"] and cells[5] == "6.50"  # mean of 6.0 and 7.0 us
+    assert cells[-1] == "long_scoreboard 13.0, barrier 2.0"  # a zero stall is left out
+    bad = tmp_path / "bad.csv"
+    bad.write_text("a,b\n1,2\n")
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "ncu_table.py"), str(bad)],
+                       capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert p.returncode != 0 and "not an ncu raw CSV page" in p.stderr
