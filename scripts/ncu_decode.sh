@@ -14,6 +14,10 @@ mkdir -p "$out"
 NCU=${NCU:-ncu}
 kernels=${NCU_KERNELS:-qkv_projection|decode_attention|linear_nvfp4|router_logits|moe_gate_up|moe_down|swiglu}
 export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer="
+# Kernel replay saves, before a kernel's first pass, every allocation the kernel can reach: with XLA's preallocated
+# pool that is most of the GPU's memory. One allocation per buffer keeps it to what the few layers use.
+export XLA_PYTHON_CLIENT_PREALLOCATE=${XLA_PYTHON_CLIENT_PREALLOCATE:-false}
+export XLA_PYTHON_CLIENT_ALLOCATOR=${XLA_PYTHON_CLIENT_ALLOCATOR:-platform}
 "$NCU" --kernel-name "regex:$kernels" --launch-skip "${NCU_SKIP:-26}" --launch-count "${NCU_COUNT:-26}" \
   --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
   --section SchedulerStats --section MemoryWorkloadAnalysis \
