@@ -39,13 +39,17 @@ def number(text: str) -> float | None:
 
 
 def read(path: str):
-    """(header, units, rows) of a raw CSV page; the second line holds the units."""
+    """(header, units, rows) of a raw CSV page; the second line holds the units where its kernel name is empty."""
     with open(path, newline="") as f:
         lines = [line for line in f if not line.startswith("==")]  # ncu's own messages ("==PROF==", "==WARNING==")
     table = list(csv.reader(lines))
     if len(table) < 2 or "Kernel Name" not in table[0]:
         raise SystemExit(f"{path}: not an ncu raw CSV page (no 'Kernel Name' column in its first line)")
-    return table[0], table[1], table[2:]
+    header = table[0]
+    name_col = header.index("Kernel Name")
+    if table[1][name_col:name_col + 1] == [""]:  # the units line (ncu writes one after the header)
+        return header, table[1], table[2:]
+    return header, [""] * len(header), table[1:]
 
 
 def summarise(header, units, rows, top_stalls: int = 4) -> list[str]:

@@ -361,3 +361,12 @@ def test_ncu_table_summarises_a_raw_page(tmp_path):
     p = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "ncu_table.py"), str(bad)],
                        capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert p.returncode != 0 and "not an ncu raw CSV page" in p.stderr
+
+
+def test_ncu_table_without_a_units_line(tmp_path):
+    """A raw page without ncu's units line keeps its first launch (values then taken as they are)."""
+    raw = tmp_path / "raw.csv"
+    raw.write_text('"ID","Kernel Name","gpu__time_duration.sum"\n"0","router_logits","2.5"\n"1","router_logits","3.5"\n')
+    rows = [line for line in run_script("ncu_table.py", str(raw)).splitlines() if line.startswith("| `")]
+    cells = [c.strip() for c in rows[0].strip("|").split("|")]
+    assert cells[:2] == ["`router_logits`", "2"] and cells[5] == "3.00"
