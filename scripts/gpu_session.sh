@@ -99,7 +99,7 @@ for p in $parts; do
     decode_fp8) part decode_fp8 ${DECODE_FP8_LIMIT:-330} python3 scripts/bench_decode.py --out "$work/decode_fp8" \
              --weights ${DECODE_FP8_WEIGHTS:-nvfp4} --impls pallas:stacked --batches 1 \
              --contexts ${DECODE_FP8_CONTEXTS:-100000,262144,8192} --served-steps ${DECODE_FP8_SERVED_STEPS:-4} \
-             --xla-points "${DECODE_FP8_XLA_POINTS-1:8192,1:100000}" --kv-dtype fp8 --budget-s ${DECODE_FP8_BUDGET:-300} ;;
+             ${DECODE_FP8_XLA_POINTS+--xla-points "$DECODE_FP8_XLA_POINTS"} --kv-dtype fp8 --budget-s ${DECODE_FP8_BUDGET:-300} ;;
     fp8sweep) part fp8sweep ${FP8SWEEP_LIMIT:-200} python3 scripts/bench_kernels_attention.py --out "$work/fp8sweep" \
              --skip-tests --sections bw,fp8sweep ;;
     ttft_fp8) part ttft_fp8 ${TTFT_FP8_LIMIT:-150} python3 scripts/bench_prefill.py --out "$work/ttft_fp8" \

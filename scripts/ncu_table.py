@@ -71,7 +71,7 @@ def summarise(header, units, rows, top_stalls: int = 4) -> list[str]:
         factor = {"time": TIME_TO_US, "bytes": BYTES_TO_MB}.get(scale, {}).get(unit, 1.0)
         return sum(vals) / len(vals) * factor
 
-    titles = ["kernel", "launches"] + [t for t, _, _ in COLUMNS] + [f"top stalls (cycles per issue)"]
+    titles = ["kernel", "launches"] + [t for t, _, _ in COLUMNS] + ["top stalls (cycles per issue)"]
     out = ["| " + " | ".join(titles) + " |", "|" + "---|" * len(titles)]
     order = sorted(by_kernel, key=lambda k: -(mean(by_kernel[k], "gpu__time_duration.sum", "time") or 0))
     for name in order:

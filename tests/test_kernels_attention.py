@@ -386,7 +386,7 @@ def test_fp8_block_follows_the_gpu_kind(monkeypatch):
     assert DA.fp8_block_keys("NVIDIA H200") == 128
     # this host: 128 on a CPU (interpret mode, CI); compiled on a GPU (FLINT_PALLAS_COMPILED=1), that GPU's block
     host = jax.devices()[0].device_kind if jax.default_backend() == "gpu" else ""
-    assert DA.fp8_block_keys() == DA.full_block_keys(FP8) == (64 if "H100" in host else 128)
+    assert DA.fp8_block_keys() == DA.full_block_keys(FP8) == (DA.fp8_block_keys(host) if host else 128)
     assert DA.full_block_keys(jnp.bfloat16) == DA.BLOCK_K
     monkeypatch.setattr(DA, "FP8_BLOCK_K", 256)
     assert DA.fp8_block_keys("NVIDIA H100 80GB HBM3") == 256
@@ -496,13 +496,10 @@ def test_model_attention_block_signature():
 # ---- the GPU lowering, checked on the CPU ---------------------------------------------------------------------
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-def test_kernels_lower_to_triton_for_h200(monkeypatch):
+def test_kernels_lower_to_triton_for_h200(lower_for_h200):
     """Every kernel of this issue lowers to Triton IR for CUDA (an H200 described abstractly, no GPU needed):
     catches ops the Triton lowering lacks, non-power-of-two tiles, and select/broadcast shape mismatches that
     interpret mode accepts. (Compiling that IR to PTX needs the device machine.)"""
-    from jax._src.pallas.triton import gpu_info, pallas_call_registration
-    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
-                        lambda: gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200))
     pos, active = jnp.array([3, 40], jnp.int32), jnp.array([True, False])
     h = jnp.zeros((2, CFG.hidden_size), jnp.bfloat16)
     q = jnp.zeros((2, CFG.num_attention_heads, CFG.head_dim), jnp.bfloat16)
@@ -526,13 +523,10 @@ def test_kernels_lower_to_triton_for_h200(monkeypatch):
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize("pv_mode,fp8_ptx,fp8_half", [("bf16x2", False, False), ("tf32", True, False),
                                                       ("bf16x2", True, False), ("tf32", True, True)])
-def test_attention_knobs_lower_to_triton(monkeypatch, pv_mode, fp8_ptx, fp8_half):
+def test_attention_knobs_lower_to_triton(monkeypatch, pv_mode, fp8_ptx, fp8_half, lower_for_h200):
     """The values dot's modes (PV_MODE), the FP8 tiles' PTX decode (FP8_PTX, off by default) and the FP16 dots on
     FP8 caches (FP8_HALF_SCORES / _VALUES) lower for the H200 too: a ring, and a full layer on an FP8 cache (its PTX
     in the IR where FP8_PTX and a dot still takes BF16 or FP32 tiles)."""
-    from jax._src.pallas.triton import gpu_info, pallas_call_registration
-    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
-                        lambda: gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200))
     monkeypatch.setattr(DA, "PV_MODE", pv_mode)
     monkeypatch.setattr(DA, "FP8_PTX", fp8_ptx)
     monkeypatch.setattr(DA, "FP8_HALF_SCORES", fp8_half)
@@ -553,7 +547,7 @@ def test_attention_knobs_lower_to_triton(monkeypatch, pv_mode, fp8_ptx, fp8_half
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize("in_kernel,fold", [(True, 4), (True, 2), (False, 4)],
                          ids=["combine-in-kernel", "combine-in-kernel-folds-in-two-loads", "combine-kernel"])
-def test_combine_modes(monkeypatch, in_kernel, fold):
+def test_combine_modes(monkeypatch, in_kernel, fold, lower_for_h200):
     """Both ways of folding the split partials (the last-arriving split, `fold` splits per load, or the
     `combine` kernel) give the reference's results, and the lowering launches `combine` only in the second."""
     monkeypatch.setattr(DA, "COMBINE_IN_KERNEL", in_kernel)
@@ -566,9 +560,6 @@ def test_combine_modes(monkeypatch, in_kernel, fold):
         check(full_cache(jax.random.key(6), len(FULL_POSITIONS)), FULL_POSITIONS)
     finally:
         globals()["attend_k"] = globals_attend
-    from jax._src.pallas.triton import gpu_info, pallas_call_registration
-    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
-                        lambda: gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200))
     layer = params("nvfp4").layers[1]
     h = jnp.zeros((2, CFG.hidden_size), jnp.bfloat16)
     fn = lambda c: DA.attention_block_decode(h, layer, c, jnp.array([3, 40]), jnp.array([True, True]), CFG,  # noqa
@@ -721,11 +712,8 @@ def test_full_layer_first_block_preloaded(monkeypatch, cache_kind):
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-def test_full_layer_preload_lowers_to_triton(monkeypatch):
+def test_full_layer_preload_lowers_to_triton(monkeypatch, lower_for_h200):
     """FULL_PRELOAD's kernels lower for the H200 (BF16 and FP8 full caches), and differ from the default's."""
-    from jax._src.pallas.triton import gpu_info, pallas_call_registration
-    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
-                        lambda: gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200))
     pos, active = jnp.array([3, 40], jnp.int32), jnp.array([True, False])
     h = jnp.zeros((2, CFG.hidden_size), jnp.bfloat16)
     full = full_cache(jax.random.key(0), 2)

@@ -271,14 +271,11 @@ def test_wrong_shapes_are_refused():
 # ---- the GPU lowering, checked on the CPU ---------------------------------------------------------------------
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-def test_kernels_lower_to_triton_for_h200(monkeypatch):
+def test_kernels_lower_to_triton_for_h200(lower_for_h200):
     """Both kernels, both weight kinds, at Flint's expert shapes (8K tokens x top-6), lower to Triton IR for CUDA (an
     H200 described abstractly, no GPU needed): catches ops the Triton lowering lacks and non-power-of-two tiles
     that interpret mode accepts. (Compiling the IR to PTX needs the device machine, or a standalone Triton 3.6:
     docs/KERNELS.md, "Prefill (issue 7)".)"""
-    from jax._src.pallas.triton import gpu_info, pallas_call_registration
-    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
-                        lambda: gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200))
     S = jax.ShapeDtypeStruct
     Ef, I, H, R = 256, 512, 2048, 8192 * 6
     sizes = S((Ef,), jnp.int32)

@@ -199,13 +199,10 @@ def test_default_blocks_short_chunk_and_short_cache():
 # ---- the GPU lowering, checked on the CPU ---------------------------------------------------------------------
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-def test_kernels_lower_to_triton_for_h200(monkeypatch):
+def test_kernels_lower_to_triton_for_h200(monkeypatch, lower_for_h200):
     """Both kernels at Flint's shapes (an 8K chunk, window 513, a 100K cache) lower to Triton IR for CUDA (an H200
     described abstractly, no GPU needed). (Compiling the IR to PTX needs the device machine, or a standalone
     Triton 3.6: docs/KERNELS.md, "Prefill (issue 7)".)"""
-    from jax._src.pallas.triton import gpu_info, pallas_call_registration
-    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
-                        lambda: gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200))
     S = jax.ShapeDtypeStruct
     Tf, Hf, KVf, Df, Wf, Sf = 8192, 32, 4, 128, 513, 100_000
     q, k = S((1, Tf, Hf, Df), BF16), S((1, Tf, KVf, Df), BF16)

@@ -139,15 +139,11 @@ def test_chunked_prefill_equals_reference_forward(prefill_step, window, weights,
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-def test_blocks_lower_for_the_gpu_at_flint_shape(monkeypatch):
+def test_blocks_lower_for_the_gpu_at_flint_shape(lower_for_h200):
     """Both blocks, both weight formats, at the full Flint shape (an 8K chunk), lower for CUDA with the kernels
     compiled (not interpreted): the Triton kernels and the XLA parts around them (an H200 described abstractly)."""
-    from jax._src.pallas.triton import gpu_info, pallas_call_registration
-
     from flint_jax.params import abstract_params
     from flint_jax.state import FullCache, RingCache
-    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
-                        lambda: gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200))
     cfg = FlintConfig.flint()
     S = jax.ShapeDtypeStruct
     T, W, KV, D = 8192, cfg.sliding_window, cfg.num_key_value_heads, cfg.head_dim
