@@ -200,9 +200,12 @@ def bench_decode_attention(cfg, peak, rows, B, context, max_len, copies, splits=
 
 # The FP8 full-layer kernel's sweep (section "fp8sweep"): (warps, stages, keys per block, target programs, max
 # splits). Fewer warps per program mean fewer cross-warp reductions and barriers per key block (the 4-warp loop body
-# has ~8 BAR.SYNC, scripts/kernel_sass.py --attention fp8), and more splits keep the SMs as full.
+# has ~8 BAR.SYNC, scripts/kernel_sass.py --attention fp8), and more splits keep the SMs as full. The last four
+# hold more warps an SM at batch 1 (run FC's ncu: the default's 256 programs of 4 warps reach 12% occupancy where
+# its 128 registers a thread allow 25%): 4-warp programs in 128 splits, and 8-warp programs.
 FP8_SWEEP = ((4, 3, 128, 264, 128), (2, 3, 64, 528, 128), (2, 2, 128, 528, 128), (2, 4, 64, 528, 128),
-             (1, 2, 64, 1056, 256), (1, 3, 64, 1056, 256), (4, 3, 64, 264, 128), (2, 3, 64, 264, 128))
+             (1, 2, 64, 1056, 256), (1, 3, 64, 1056, 256), (4, 3, 64, 264, 128), (2, 3, 64, 264, 128),
+             (4, 3, 64, 528, 128), (4, 2, 128, 528, 128), (8, 3, 64, 264, 128), (8, 3, 128, 264, 128))
 
 DEVICE_PEAK = {}  # the read probe's device-time bandwidth (bytes/s), set by the "bw" section
 

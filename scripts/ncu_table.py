@@ -3,9 +3,12 @@
     python scripts/ncu_table.py ncu_raw.csv > ncu.md
 
 Launches of the same kernel are averaged. Columns: launches, grid and block size, registers per thread, duration,
-DRAM bytes read and throughput (% of peak), SM throughput, achieved occupancy, issue-slot use, the warp cycles
-between two issued instructions, and the largest stall reasons as warp cycles per issued instruction (they add up
-to about that column: ncu's WarpStateStats). A metric the report lacks shows as "-".
+DRAM bytes moved (read and written: the DRAM rate times the duration) and DRAM throughput (% of peak), SM
+throughput, achieved occupancy, issue-slot use, the warp cycles between two issued instructions, and the largest
+stall reasons as warp cycles per issued instruction (they add up to about that column: ncu's WarpStateStats).
+Where ncu versions name a metric differently, the first name the report has is used; a metric the report lacks
+shows as "-". Under ncu the clocks are locked to base and the caches flushed before each kernel (its defaults), so
+durations are longer than in a traced step.
 """
 
 from __future__ import annotations
@@ -14,21 +17,25 @@ import csv
 import sys
 from collections import defaultdict
 
-COLUMNS = [  # (title, metric, scale to the shown unit by the metric's unit)
-    ("grid", "launch__grid_size", None),
-    ("block", "launch__block_size", None),
-    ("regs", "launch__registers_per_thread", None),
-    ("us", "gpu__time_duration.sum", "time"),
-    ("MB read", "dram__bytes_read.sum", "bytes"),
-    ("DRAM %", "dram__throughput.avg.pct_of_peak_sustained_elapsed", None),
-    ("SM %", "sm__throughput.avg.pct_of_peak_sustained_elapsed", None),
-    ("occupancy %", "sm__warps_active.avg.pct_of_peak_sustained_active", None),
-    ("issue active", "smsp__issue_active.avg.per_cycle_active", None),
-    ("cycles / issue", "smsp__average_warps_active_per_issue_active.ratio", None),
+DRAM_BYTES = "dram MB"  # a derived column: dram__bytes.sum where the report has it, else its rate times the duration
+COLUMNS = [  # (title, metric names in order of preference, scale to the shown unit by the metric's unit)
+    ("grid", ("launch__grid_size",), None),
+    ("block", ("launch__block_size",), None),
+    ("regs", ("launch__registers_per_thread",), None),
+    ("us", ("gpu__time_duration.sum",), "time"),
+    ("DRAM MB", (DRAM_BYTES,), None),
+    ("DRAM %", ("dram__throughput.avg.pct_of_peak_sustained_elapsed",
+                "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed"), None),
+    ("SM %", ("sm__throughput.avg.pct_of_peak_sustained_elapsed",), None),
+    ("occupancy %", ("sm__warps_active.avg.pct_of_peak_sustained_active",), None),
+    ("issue active", ("smsp__issue_active.avg.per_cycle_active",), None),
+    ("cycles / issue", ("smsp__average_warps_active_per_issue_active.ratio",
+                        "smsp__average_warp_latency_per_inst_issued.ratio"), None),
 ]
 STALL_PREFIX, STALL_SUFFIX = "smsp__average_warps_issue_stalled_", "_per_issue_active.ratio"
 TIME_TO_US = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}
 BYTES_TO_MB = {"byte": 1e-6, "Kbyte": 1e-3, "Mbyte": 1.0, "Gbyte": 1e3}
+RATE_TO_MB_PER_US = {"byte/s": 1e-12, "Kbyte/s": 1e-9, "Mbyte/s": 1e-6, "Gbyte/s": 1e-3, "Tbyte/s": 1.0}
 
 
 def number(text: str) -> float | None:
@@ -60,16 +67,31 @@ def summarise(header, units, rows, top_stalls: int = 4) -> list[str]:
             by_kernel[row[col["Kernel Name"]]].append(row)
     stall_cols = [name for name in header if name.startswith(STALL_PREFIX) and name.endswith(STALL_SUFFIX)]
 
-    def mean(rows_k, name, scale=None):
-        if name not in col:
-            return None
-        vals = [number(r[col[name]]) for r in rows_k]
-        vals = [v for v in vals if v is not None]
-        if not vals:
-            return None
-        unit = units[col[name]]
-        factor = {"time": TIME_TO_US, "bytes": BYTES_TO_MB}.get(scale, {}).get(unit, 1.0)
-        return sum(vals) / len(vals) * factor
+    def scaled(row, name, scale):
+        v = number(row[col[name]])
+        return None if v is None else v * {"time": TIME_TO_US, "bytes": BYTES_TO_MB,
+                                           "rate": RATE_TO_MB_PER_US}.get(scale, {}).get(units[col[name]], 1.0)
+
+    def dram_megabytes(row):
+        if "dram__bytes.sum" in col:
+            return scaled(row, "dram__bytes.sum", "bytes")
+        if "dram__bytes.sum.per_second" in col and "gpu__time_duration.sum" in col:
+            rate, us = scaled(row, "dram__bytes.sum.per_second", "rate"), scaled(row, "gpu__time_duration.sum", "time")
+            return None if rate is None or us is None else rate * us
+        return None
+
+    def mean(rows_k, names, scale=None):
+        names = (names,) if isinstance(names, str) else names
+        for name in names:
+            if name == DRAM_BYTES:
+                vals = [dram_megabytes(r) for r in rows_k]
+            elif name in col:
+                vals = [scaled(r, name, scale) for r in rows_k]
+            else:
+                continue
+            vals = [v for v in vals if v is not None]
+            return sum(vals) / len(vals) if vals else None
+        return None
 
     titles = ["kernel", "launches"] + [t for t, _, _ in COLUMNS] + ["top stalls (cycles per issue)"]
     out = ["| " + " | ".join(titles) + " |", "|" + "---|" * len(titles)]
@@ -77,8 +99,8 @@ def summarise(header, units, rows, top_stalls: int = 4) -> list[str]:
     for name in order:
         rows_k = by_kernel[name]
         cells = [f"`{name[:60]}`", str(len(rows_k))]
-        for _, metric, scale in COLUMNS:
-            v = mean(rows_k, metric, scale)
+        for _, metrics, scale in COLUMNS:
+            v = mean(rows_k, metrics, scale)
             cells.append("-" if v is None else (f"{v:.0f}" if abs(v) >= 100 else f"{v:.2f}" if abs(v) < 10
                                                  else f"{v:.1f}"))
         stalls = [(mean(rows_k, c) or 0.0, c[len(STALL_PREFIX):-len(STALL_SUFFIX)]) for c in stall_cols]

@@ -94,6 +94,10 @@ def _variants():
         # full layers in fewer warps per program and as many more splits (the SMs as full; fewer cross-warp
         # reductions and barriers per key block), 64-key FP8 blocks so that 4 or 8 programs' stages fit an SM
         "fp8_warps2_splits": [(DA, "NUM_WARPS", 2), (DA, "TARGET_PROGRAMS", 528), (DA, "FP8_BLOCK_K", 64)],
+        # full layers in 4-warp programs and twice the splits (528 programs): with 128 registers a thread four
+        # 4-warp programs fit an SM, and 64-key FP8 blocks keep four programs' 3 stages in its shared memory; run
+        # FC's ncu saw the default's 256 programs hold ~1.9 programs an SM, half the occupancy the registers allow
+        "fp8_splits128": [(DA, "TARGET_PROGRAMS", 528), (DA, "FP8_BLOCK_K", 64)],
         "fp8_warps1_splits": [(DA, "NUM_WARPS", 1), (DA, "TARGET_PROGRAMS", 1056), (DA, "MAX_SPLITS", 256),
                               (DA, "FP8_BLOCK_K", 64), (DA, "NUM_STAGES", 2)],
         # an FP8 cache's V key-major like K (the default: runs EJ-ET's layout; state built in the variant), or

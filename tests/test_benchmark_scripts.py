@@ -370,3 +370,20 @@ def test_ncu_table_without_a_units_line(tmp_path):
     rows = [line for line in run_script("ncu_table.py", str(raw)).splitlines() if line.startswith("| `")]
     cells = [c.strip() for c in rows[0].strip("|").split("|")]
     assert cells[:2] == ["`router_logits`", "2"] and cells[5] == "3.00"
+
+
+def test_ncu_table_takes_the_metric_names_of_newer_ncu(tmp_path):
+    """ncu 2025.3 reports no dram__bytes_read.sum or dram__throughput: the DRAM megabytes come from its rate times
+    the duration (1.5 Tbyte/s for 4 us is 6 MB), the DRAM % from gpu__dram_throughput, and the cycles between
+    issues from smsp__average_warp_latency_per_inst_issued."""
+    raw = tmp_path / "raw.csv"
+    raw.write_text(
+        '"ID","Kernel Name","gpu__time_duration.sum","dram__bytes.sum.per_second",'
+        '"gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed","smsp__average_warp_latency_per_inst_issued.ratio"\n'
+        '"","","usecond","Tbyte/s","%","cycle"\n'
+        '"0","linear_nvfp4","4.0","1.5","45.0","7.5"\n')
+    header = next(line for line in run_script("ncu_table.py", str(raw)).splitlines() if line.startswith("| kernel"))
+    row = next(line for line in run_script("ncu_table.py", str(raw)).splitlines() if line.startswith("| `"))
+    cells = dict(zip([c.strip() for c in header.strip("|").split("|")], [c.strip() for c in row.strip("|").split("|")]))
+    assert cells["us"] == "4.00" and cells["DRAM MB"] == "6.00" and cells["DRAM %"] == "45.0"
+    assert cells["cycles / issue"] == "7.50" and cells["SM %"] == "-"
