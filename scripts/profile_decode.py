@@ -98,6 +98,8 @@ def _variants():
         # 4-warp programs fit an SM, and 64-key FP8 blocks keep four programs' 3 stages in its shared memory; run
         # FC's ncu saw the default's 256 programs hold ~1.9 programs an SM, half the occupancy the registers allow
         "fp8_splits128": [(DA, "TARGET_PROGRAMS", 528), (DA, "FP8_BLOCK_K", 64)],
+        # full layers in 2-warp programs at the default splits (the best batch-1 point of runs EX and FD's sweep)
+        "fp8_warps2": [(DA, "NUM_WARPS", 2), (DA, "FP8_BLOCK_K", 64)],
         "fp8_warps1_splits": [(DA, "NUM_WARPS", 1), (DA, "TARGET_PROGRAMS", 1056), (DA, "MAX_SPLITS", 256),
                               (DA, "FP8_BLOCK_K", 64), (DA, "NUM_STAGES", 2)],
         # an FP8 cache's V key-major like K (the default: runs EJ-ET's layout; state built in the variant), or
