@@ -18,12 +18,17 @@ export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer="
 # pool that is most of the GPU's memory. One allocation per buffer keeps it to what the few layers use.
 export XLA_PYTHON_CLIENT_PREALLOCATE=${XLA_PYTHON_CLIENT_PREALLOCATE:-false}
 export XLA_PYTHON_CLIENT_ALLOCATOR=${XLA_PYTHON_CLIENT_ALLOCATOR:-platform}
-"$NCU" --kernel-name "regex:$kernels" --launch-skip "${NCU_SKIP:-26}" --launch-count "${NCU_COUNT:-26}" \
-  --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
-  --section SchedulerStats --section MemoryWorkloadAnalysis \
-  --export "$out/ncu" --force-overwrite python3 scripts/ncu_decode.py "$@" > "$out/ncu_run.log" 2>&1
-rc=$?
-echo "ncu exit $rc"; tail -5 "$out/ncu_run.log"
+# In run FC (2026-12-06) ncu crashed (exit 139) as it attached on a freshly started machine, and the same command ran
+# through when repeated: a crash that leaves no report is tried once more.
+for attempt in 1 2; do
+  "$NCU" --kernel-name "regex:$kernels" --launch-skip "${NCU_SKIP:-26}" --launch-count "${NCU_COUNT:-26}" \
+    --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
+    --section SchedulerStats --section MemoryWorkloadAnalysis \
+    --export "$out/ncu" --force-overwrite python3 scripts/ncu_decode.py "$@" > "$out/ncu_run.log" 2>&1
+  rc=$?
+  echo "ncu exit $rc (attempt $attempt)"; tail -5 "$out/ncu_run.log"
+  [ "$rc" -ge 128 ] && [ ! -f "$out/ncu.ncu-rep" ] || break
+done
 [ -f "$out/ncu.ncu-rep" ] || exit 1
 "$NCU" --import "$out/ncu.ncu-rep" --csv --page raw > "$out/ncu_raw.csv"
 "$NCU" --import "$out/ncu.ncu-rep" --csv --page details > "$out/ncu_details.csv"
