@@ -3,8 +3,8 @@
     python scripts/ncu_table.py ncu_raw.csv > ncu.md
 
 Launches of the same kernel are averaged. Columns: launches, grid and block size, registers per thread, duration,
-DRAM bytes moved (read and written: the DRAM rate times the duration) and DRAM throughput (% of peak), SM
-throughput, achieved occupancy, issue-slot use, the warp cycles between two issued instructions, and the largest
+DRAM bytes moved (read and written: dram__bytes.sum, or the DRAM rate times the duration) and DRAM throughput
+(% of peak), SM throughput, achieved occupancy, issue-slot use, the warp cycles between two issued instructions, and the largest
 stall reasons as warp cycles per issued instruction (they add up to about that column: ncu's WarpStateStats).
 Where ncu versions name a metric differently, the first name the report has is used; a metric the report lacks
 shows as "-". Under ncu the clocks are locked to base and the caches flushed before each kernel (its defaults), so
@@ -17,13 +17,12 @@ import csv
 import sys
 from collections import defaultdict
 
-DRAM_BYTES = "dram MB"  # a derived column: dram__bytes.sum where the report has it, else its rate times the duration
 COLUMNS = [  # (title, metric names in order of preference, scale to the shown unit by the metric's unit)
     ("grid", ("launch__grid_size",), None),
     ("block", ("launch__block_size",), None),
     ("regs", ("launch__registers_per_thread",), None),
     ("us", ("gpu__time_duration.sum",), "time"),
-    ("DRAM MB", (DRAM_BYTES,), None),
+    ("DRAM MB", ("dram__bytes.sum",), "bytes"),  # with_dram_bytes derives it where the report lacks it
     ("DRAM %", ("dram__throughput.avg.pct_of_peak_sustained_elapsed",
                 "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed"), None),
     ("SM %", ("sm__throughput.avg.pct_of_peak_sustained_elapsed",), None),
@@ -59,6 +58,21 @@ def read(path: str):
     return header, [""] * len(header), table[1:]
 
 
+def with_dram_bytes(header, units, rows):
+    """Adds dram__bytes.sum (in Mbyte) where the report has only its rate (ncu 2025.3): the rate times the duration."""
+    if "dram__bytes.sum" in header or not {"dram__bytes.sum.per_second", "gpu__time_duration.sum"} <= set(header):
+        return header, units, rows
+    rate_col, time_col = header.index("dram__bytes.sum.per_second"), header.index("gpu__time_duration.sum")
+
+    def megabytes(row):
+        rate, t = number(row[rate_col]), number(row[time_col])
+        if rate is None or t is None:
+            return ""
+        return str(rate * RATE_TO_MB_PER_US.get(units[rate_col], 1.0) * t * TIME_TO_US.get(units[time_col], 1.0))
+
+    return header + ["dram__bytes.sum"], units + ["Mbyte"], [row + [megabytes(row)] for row in rows]
+
+
 def summarise(header, units, rows, top_stalls: int = 4) -> list[str]:
     col = {name: i for i, name in enumerate(header)}
     by_kernel: dict[str, list[list[str]]] = defaultdict(list)
@@ -67,35 +81,18 @@ def summarise(header, units, rows, top_stalls: int = 4) -> list[str]:
             by_kernel[row[col["Kernel Name"]]].append(row)
     stall_cols = [name for name in header if name.startswith(STALL_PREFIX) and name.endswith(STALL_SUFFIX)]
 
-    def scaled(row, name, scale):
-        v = number(row[col[name]])
-        return None if v is None else v * {"time": TIME_TO_US, "bytes": BYTES_TO_MB,
-                                           "rate": RATE_TO_MB_PER_US}.get(scale, {}).get(units[col[name]], 1.0)
-
-    def dram_megabytes(row):
-        if "dram__bytes.sum" in col:
-            return scaled(row, "dram__bytes.sum", "bytes")
-        if "dram__bytes.sum.per_second" in col and "gpu__time_duration.sum" in col:
-            rate, us = scaled(row, "dram__bytes.sum.per_second", "rate"), scaled(row, "gpu__time_duration.sum", "time")
-            return None if rate is None or us is None else rate * us
-        return None
-
     def mean(rows_k, names, scale=None):
-        names = (names,) if isinstance(names, str) else names
-        for name in names:
-            if name == DRAM_BYTES:
-                vals = [dram_megabytes(r) for r in rows_k]
-            elif name in col:
-                vals = [scaled(r, name, scale) for r in rows_k]
-            else:
-                continue
-            vals = [v for v in vals if v is not None]
-            return sum(vals) / len(vals) if vals else None
-        return None
+        """The launches' mean of the first of `names` the report has, in the shown unit (None: none of them)."""
+        name = next((n for n in names if n in col), None)
+        if name is None:
+            return None
+        factor = {"time": TIME_TO_US, "bytes": BYTES_TO_MB}.get(scale, {}).get(units[col[name]], 1.0)
+        vals = [v for v in (number(r[col[name]]) for r in rows_k) if v is not None]
+        return sum(vals) / len(vals) * factor if vals else None
 
     titles = ["kernel", "launches"] + [t for t, _, _ in COLUMNS] + ["top stalls (cycles per issue)"]
     out = ["| " + " | ".join(titles) + " |", "|" + "---|" * len(titles)]
-    order = sorted(by_kernel, key=lambda k: -(mean(by_kernel[k], "gpu__time_duration.sum", "time") or 0))
+    order = sorted(by_kernel, key=lambda k: -(mean(by_kernel[k], ("gpu__time_duration.sum",), "time") or 0))
     for name in order:
         rows_k = by_kernel[name]
         cells = [f"`{name[:60]}`", str(len(rows_k))]
@@ -103,7 +100,7 @@ def summarise(header, units, rows, top_stalls: int = 4) -> list[str]:
             v = mean(rows_k, metrics, scale)
             cells.append("-" if v is None else (f"{v:.0f}" if abs(v) >= 100 else f"{v:.2f}" if abs(v) < 10
                                                  else f"{v:.1f}"))
-        stalls = [(mean(rows_k, c) or 0.0, c[len(STALL_PREFIX):-len(STALL_SUFFIX)]) for c in stall_cols]
+        stalls = [(mean(rows_k, (c,)) or 0.0, c[len(STALL_PREFIX):-len(STALL_SUFFIX)]) for c in stall_cols]
         stalls.sort(reverse=True)
         cells.append(", ".join(f"{s} {v:.1f}" for v, s in stalls[:top_stalls] if v > 0) or "-")
         out.append("| " + " | ".join(cells) + " |")
@@ -115,7 +112,7 @@ def main(argv=None) -> int:
     if len(argv) != 1 or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
-    header, units, rows = read(argv[0])
+    header, units, rows = with_dram_bytes(*read(argv[0]))
     print("\n".join(summarise(header, units, rows)))
     return 0
 

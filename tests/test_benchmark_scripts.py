@@ -382,8 +382,9 @@ def test_ncu_table_takes_the_metric_names_of_newer_ncu(tmp_path):
         '"gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed","smsp__average_warp_latency_per_inst_issued.ratio"\n'
         '"","","usecond","Tbyte/s","%","cycle"\n'
         '"0","linear_nvfp4","4.0","1.5","45.0","7.5"\n')
-    header = next(line for line in run_script("ncu_table.py", str(raw)).splitlines() if line.startswith("| kernel"))
-    row = next(line for line in run_script("ncu_table.py", str(raw)).splitlines() if line.startswith("| `"))
+    lines = run_script("ncu_table.py", str(raw)).splitlines()
+    header = next(line for line in lines if line.startswith("| kernel"))
+    row = next(line for line in lines if line.startswith("| `"))
     cells = dict(zip([c.strip() for c in header.strip("|").split("|")], [c.strip() for c in row.strip("|").split("|")]))
     assert cells["us"] == "4.00" and cells["DRAM MB"] == "6.00" and cells["DRAM %"] == "45.0"
     assert cells["cycles / issue"] == "7.50" and cells["SM %"] == "-"
