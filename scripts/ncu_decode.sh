@@ -19,7 +19,9 @@ export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer="
 export XLA_PYTHON_CLIENT_PREALLOCATE=${XLA_PYTHON_CLIENT_PREALLOCATE:-false}
 export XLA_PYTHON_CLIENT_ALLOCATOR=${XLA_PYTHON_CLIENT_ALLOCATOR:-platform}
 # In run FC (2026-12-06) ncu crashed (exit 139) as it attached on a freshly started machine, and the same command ran
-# through when repeated: a crash that leaves no report is tried once more.
+# through when repeated: a crash that leaves no report is tried once more. A report left by an earlier run in the
+# same folder is removed first, so that neither the retry test nor the import below can take it for this run's.
+rm -f "$out/ncu.ncu-rep"
 for attempt in 1 2; do
   "$NCU" --kernel-name "regex:$kernels" --launch-skip "${NCU_SKIP:-26}" --launch-count "${NCU_COUNT:-26}" \
     --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \

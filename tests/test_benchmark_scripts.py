@@ -420,3 +420,9 @@ touch "$2.ncu-rep"
     p = subprocess.run(["bash", os.path.join(ROOT, "scripts", "ncu_decode.sh"), str(out2), "--tiny"],
                        env=dict(env, CRASHES="2"), capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert p.returncode == 1 and "(attempt 2)" in p.stdout and not (out2 / "ncu.md").exists()
+    # a report from an earlier run in the same folder is not taken for this one's
+    calls.unlink()
+    (out2 / "ncu.ncu-rep").write_text("stale")
+    p = subprocess.run(["bash", os.path.join(ROOT, "scripts", "ncu_decode.sh"), str(out2), "--tiny"],
+                       env=dict(env, CRASHES="2"), capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert p.returncode == 1 and "(attempt 2)" in p.stdout and not (out2 / "ncu.md").exists()
