@@ -3,6 +3,8 @@
 #   bash scripts/gpu_session.sh TOTAL_SECONDS [PART ...]
 # Parts (default: tests profile decode prefill weights):
 #   tests     the kernel tests compiled on the GPU (FLINT_PALLAS_COMPILED=1): attention, GEMV, MoE, prefill
+#   tests_all every kernel test file compiled on the GPU (attention, GEMV, MoE, the Pallas path, sampling, Mosaic
+#             NVFP4, prefill attention, grouped GEMMs; ~330 cases; junit XML in the pack)
 #   tests_moe  only the compiled router / MoE-block tests (top-k in the router's last program, persistent kernel)
 #   tests_fold  only the compiled tests of the split-partials fold (in-kernel combine, split rings)
 #   profile   device trace of the NVFP4 Pallas decode step at 100K, once per kernel-knob variant ($PROFILE_VARIANTS):
@@ -66,6 +68,10 @@ for p in $parts; do
   case $p in
     tests) part tests 100 env FLINT_PALLAS_COMPILED=1 python3 -m pytest -q -p no:cacheprovider \
              tests/test_kernels_attention.py tests/test_kernels_gemv.py tests/test_kernels_moe.py tests/test_mosaic_nvfp4.py ;;
+    tests_all) part tests_all ${TESTS_ALL_LIMIT:-540} env FLINT_PALLAS_COMPILED=1 python3 -m pytest -q -rfE \
+             -p no:cacheprovider --junitxml="$work/tests_all.xml" tests/test_kernels_attention.py \
+             tests/test_kernels_gemv.py tests/test_kernels_moe.py tests/test_pallas_path.py tests/test_kernels_sampling.py \
+             tests/test_mosaic_nvfp4.py tests/test_kernels_prefill_attention.py tests/test_kernels_grouped_matmul.py ;;
     tests_moe) part tests_moe ${TESTS_MOE_LIMIT:-60} env FLINT_PALLAS_COMPILED=1 python3 -m pytest -q -p no:cacheprovider \
              tests/test_kernels_moe.py -k "route or moe_block or persistent" ;;
     tests_fold) part tests_fold 50 env FLINT_PALLAS_COMPILED=1 python3 -m pytest -q -p no:cacheprovider \
