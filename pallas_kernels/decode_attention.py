@@ -151,13 +151,23 @@ _BF16_2POW120 = "0x7B807B80"  # 2^120 in both BF16 lanes
 FP8_HALF_SCORES = True
 FP8_HALF_VALUES = True
 P_SCALE = 2.0 ** 15
-# None: by the GPU's kind (FP8_BLOCK_K_BY_DEVICE, else 128); an int overrides it everywhere.
+# An FP8 cache's full layers take their program shape by the GPU's kind: keys per loop block, warps per program and
+# the programs' target (the split count as TARGET_PROGRAMS sets it for BF16 caches). FP8_BLOCK_K, FP8_NUM_WARPS and
+# FP8_TARGET_PROGRAMS override the table on every device where they are not None. Kinds are matched by substring of
+# jax's device_kind ("NVIDIA H100 80GB HBM3", "NVIDIA H200"); a kind not listed, or a trace without a GPU (interpret
+# mode, lowering on a CPU host), takes 128-key blocks, NUM_WARPS and TARGET_PROGRAMS. What the measurements picked:
+# - H100: 64-key blocks (runs EX-EY, scripts/profile_decode.py, NVFP4 step at 100K, batch 1: 45.4 -> 41.5 us per
+#   layer, span 2.253 -> 2.200 ms; the kernel alone 46.7 -> 44.0 us); 2 warps were neutral there (run FE) and twice
+#   the programs slower (run FD).
+# - H200: 64-key blocks in 2-warp programs, 528 programs (128 splits at batch 1, 16 at batch 8). Run FI
+#   (docs/BENCHMARKS.md), NVFP4 step at 100K on FP8 caches, against 128-key blocks in 4-warp programs, 264 programs
+#   (run ER's choice): batch 1 38.4 -> 36.2 us per layer, span 2.114 -> 2.092 ms; batch 8 233.4 -> 219.3 us, span
+#   8.164 -> 7.983 ms; the kernel alone (run FH's sweep) 42.0 -> 37.7 us and 245.1 -> 226.4 us. Not re-measured
+#   at other contexts (at 8K most of the 128 splits hold no keys and store neutral partials).
 FP8_BLOCK_K: int | None = None
-# The FP8 block size the measurements pick per kind of GPU. H200: 128 (run ER: 40.2 -> 38.2 us per layer against
-# 64-key blocks). H100: 64 (runs EX-EY, scripts/profile_decode.py, NVFP4 step at 100K, batch 1: 45.4 -> 41.5 us per
-# layer, span 2.253 -> 2.200 ms; the kernel alone 46.7 -> 44.0 us). Kinds are matched by substring of jax's
-# device_kind ("NVIDIA H100 80GB HBM3"); a trace without a GPU (interpret mode, lowering on a CPU host) takes 128.
-FP8_BLOCK_K_BY_DEVICE = {"H100": 64}
+FP8_NUM_WARPS: int | None = None
+FP8_TARGET_PROGRAMS: int | None = None
+FP8_FULL_BY_DEVICE = {"H100": {"block_k": 64}, "H200": {"block_k": 64, "num_warps": 2, "target_programs": 528}}
 FP8_BLOCK_K_DEFAULT = 128
 # Full layers on a cache whose V is stored transposed (FP8 with state.FP8_V_TRANSPOSED on, a profiler variant:
 # state.values_transposed) run the keys on the dots' M dimension (`keys_as_m`). False: the query heads on M as
@@ -290,13 +300,14 @@ def _load_ring_block(k_ref, v_ref, kpos_ref, b, kv, t0, active, n_slots: int, dh
     return kp, kb1, kb2, vb
 
 
-def default_splits(batch: int, kv_heads: int, sliding: bool) -> int:
+def default_splits(batch: int, kv_heads: int, sliding: bool, cache_dtype=BF16) -> int:
     """Splits of the key range per (sequence, KV head). Sliding layers: RING_SPLITS. Full layers: as many as keep
-    the programs within TARGET_PROGRAMS (one wave), a power of two where the kernel folds the splits itself (its fold
-    loads whole power-of-two groups); the `combine` kernel takes any count, used with ANY_SPLITS (B = 1: 66)."""
+    the programs within the cache's target (`full_target_programs`: TARGET_PROGRAMS, one wave, on a BF16 cache), a
+    power of two where the kernel folds the splits itself (its fold loads whole power-of-two groups); the `combine`
+    kernel takes any count, used with ANY_SPLITS (B = 1: 66)."""
     if sliding:
         return RING_SPLITS
-    fit = min(MAX_SPLITS, max(1, TARGET_PROGRAMS // (batch * kv_heads)))
+    fit = min(MAX_SPLITS, max(1, full_target_programs(cache_dtype) // (batch * kv_heads)))
     pow2 = 1 << (fit.bit_length() - 1)
     if COMBINE_IN_KERNEL and pow2 <= MAX_SPLITS_IN_KERNEL:
         return pow2
@@ -325,17 +336,44 @@ def full_block_keys(cache_dtype) -> int:
     return BLOCK_K if cache_dtype == BF16 else fp8_block_keys()
 
 
-def fp8_block_keys(device_kind: str | None = None) -> int:
-    """FP8_BLOCK_K, or where it is None the block FP8_BLOCK_K_BY_DEVICE gives the GPU (`device_kind`, default: jax's
-    first device's kind when the backend is a GPU), else FP8_BLOCK_K_DEFAULT."""
-    if FP8_BLOCK_K is not None:
-        return FP8_BLOCK_K
+def gpu_kind() -> str:
+    """jax's first device's kind ("NVIDIA H200") where the backend is a GPU, else "" (interpret mode, or lowering
+    for CUDA on a CPU host)."""
+    return jax.devices()[0].device_kind if jax.default_backend() == "gpu" else ""
+
+
+def _fp8_full_setting(name: str, override, default, device_kind: str | None):
+    """One of an FP8 full layer's program settings: `override` where not None, else FP8_FULL_BY_DEVICE's entry for
+    the GPU (`device_kind`, default `gpu_kind()`), else `default`."""
+    if override is not None:
+        return override
     if device_kind is None:
-        device_kind = jax.devices()[0].device_kind if jax.default_backend() == "gpu" else ""
-    for name, block in FP8_BLOCK_K_BY_DEVICE.items():
-        if name in device_kind:
-            return block
-    return FP8_BLOCK_K_DEFAULT
+        device_kind = gpu_kind()
+    for kind, settings in FP8_FULL_BY_DEVICE.items():
+        if kind in device_kind and name in settings:
+            return settings[name]
+    return default
+
+
+def fp8_block_keys(device_kind: str | None = None) -> int:
+    """Keys per loop block of a full layer on an FP8 cache: FP8_BLOCK_K, else by the GPU's kind, else 128."""
+    return _fp8_full_setting("block_k", FP8_BLOCK_K, FP8_BLOCK_K_DEFAULT, device_kind)
+
+
+def full_num_warps(cache_dtype, device_kind: str | None = None) -> int:
+    """Warps per program of a full layer: NUM_WARPS on a BF16 cache; on an FP8 cache FP8_NUM_WARPS, else by the
+    GPU's kind, else NUM_WARPS."""
+    if cache_dtype == BF16:
+        return NUM_WARPS
+    return _fp8_full_setting("num_warps", FP8_NUM_WARPS, NUM_WARPS, device_kind)
+
+
+def full_target_programs(cache_dtype, device_kind: str | None = None) -> int:
+    """The programs a full layer aims at (`default_splits`): TARGET_PROGRAMS on a BF16 cache; on an FP8 cache
+    FP8_TARGET_PROGRAMS, else by the GPU's kind, else TARGET_PROGRAMS."""
+    if cache_dtype == BF16:
+        return TARGET_PROGRAMS
+    return _fp8_full_setting("target_programs", FP8_TARGET_PROGRAMS, TARGET_PROGRAMS, device_kind)
 
 
 # A full layer's split chunks are whole multiples of SPLIT_GRANULE keys (at most the block), not of whole blocks: a
@@ -662,7 +700,7 @@ def _attention_call(mode, first_args, cache, positions, active, sinks, cfg, slid
     ring = isinstance(cache, RingCache)
     n_slots = cache.k.shape[2]
     if splits is None:
-        splits = default_splits(B, KV, ring)
+        splits = default_splits(B, KV, ring, cache.k.dtype)
     if not isinstance(splits, int) or splits < 1:
         raise ValueError(f"splits must be a positive integer, got {splits!r}")
     min_chunk = MIN_CHUNK if min_chunk is None else min_chunk
@@ -709,7 +747,8 @@ def _attention_call(mode, first_args, cache, positions, active, sinks, cfg, slid
     outs = pl.pallas_call(
         kernel, grid=(B, KV, splits), out_shape=out_shape, input_output_aliases=aliases, in_specs=in_specs,
         out_specs=out_specs,
-        compiler_params=plgpu.CompilerParams(num_warps=RING_NUM_WARPS if ring else NUM_WARPS, num_stages=NUM_STAGES),
+        compiler_params=plgpu.CompilerParams(num_warps=RING_NUM_WARPS if ring else full_num_warps(cache.k.dtype),
+                                             num_stages=NUM_STAGES),
         interpret=interpret, name=f"decode_attention_{mode}_{'ring' if ring else 'full'}",
     )(*operands)
     if splits == 1:

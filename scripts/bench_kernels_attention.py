@@ -490,7 +490,7 @@ def main():
     for B, context in ((1, k100),) if args.smoke else ((1, k100), (8, k100)):
         for nw, ns, bk, programs, max_splits in FP8_SWEEP[:2] if args.smoke else FP8_SWEEP:
             def fp8_variant(B=B, context=context, nw=nw, ns=ns, bk=bk, programs=programs, max_splits=max_splits):
-                with knobs_set(DA, dict(NUM_WARPS=nw, NUM_STAGES=ns, FP8_BLOCK_K=bk, TARGET_PROGRAMS=programs,
+                with knobs_set(DA, dict(FP8_NUM_WARPS=nw, NUM_STAGES=ns, FP8_BLOCK_K=bk, FP8_TARGET_PROGRAMS=programs,
                                         MAX_SPLITS=max_splits)):
                     bench_decode_attention(cfg, P, rows, B, context, S if B == 1 else context, nf if B == 1 else 4,
                                            ref=False, kv_dtype=jnp.float8_e4m3fn,

@@ -127,9 +127,9 @@ ATTENTION_VARIANTS = {
     "fp8_heads_on_m": ("fp8", {"KEYS_AS_M": False}, {"FP8_V_TRANSPOSED": True}),
     "fp8_bk256": ("fp8", {"FP8_BLOCK_K": 256}, {"FP8_V_TRANSPOSED": True}),
     # fewer warps per program (fewer cross-warp reductions and barriers per key block), more splits
-    "fp8_w2": ("fp8", {"NUM_WARPS": 2, "TARGET_PROGRAMS": 528, "FP8_BLOCK_K": 64}, {}),
-    "fp8_w2_bk128": ("fp8", {"NUM_WARPS": 2, "TARGET_PROGRAMS": 528, "NUM_STAGES": 2}, {}),
-    "fp8_w1": ("fp8", {"NUM_WARPS": 1, "TARGET_PROGRAMS": 1056, "MAX_SPLITS": 256, "FP8_BLOCK_K": 64,
+    "fp8_w2": ("fp8", {"FP8_NUM_WARPS": 2, "FP8_TARGET_PROGRAMS": 528, "FP8_BLOCK_K": 64}, {}),
+    "fp8_w2_bk128": ("fp8", {"FP8_NUM_WARPS": 2, "FP8_TARGET_PROGRAMS": 528, "FP8_BLOCK_K": 128, "NUM_STAGES": 2}, {}),
+    "fp8_w1": ("fp8", {"FP8_NUM_WARPS": 1, "FP8_TARGET_PROGRAMS": 1056, "MAX_SPLITS": 256, "FP8_BLOCK_K": 64,
                        "NUM_STAGES": 2}, {}),
     "fp8_as_ep": ("fp8", {"FP8_HALF_SCORES": False, "FP8_HALF_VALUES": False, "FP8_BLOCK_K": 64},
                   {"FP8_V_TRANSPOSED": False}),

@@ -66,6 +66,8 @@ def _variants():
         # full layers only (the rings keep RING_NUM_WARPS): fewer warps per program, no cross-warp reductions in a
         # key block's softmax; with attn_two_waves twice the programs (an FP8 cache's stages take half the shared
         # memory, so more programs fit on an SM)
+        # (NUM_WARPS and TARGET_PROGRAMS: BF16 caches, and FP8 ones where decode_attention.FP8_FULL_BY_DEVICE does not
+        # set them for the GPU, as on an H200; the fp8_* variants set FP8_NUM_WARPS / FP8_TARGET_PROGRAMS)
         "attn_warps2": [(DA, "NUM_WARPS", 2)],
         # the values' dot (rings and full layers): two BF16 dots on p's hi and lo parts, V as BF16 (no FP32 copy);
         # or one BF16 dot (p rounded to BF16: coarser than the reference, a probe of what the dot costs)
@@ -83,7 +85,7 @@ def _variants():
         "fp8_bk64": [(DA, "FP8_BLOCK_K", 64)],  # an FP8 cache's full layers in 64-key blocks (like BF16's)
         "fp8_bk128": [(DA, "FP8_BLOCK_K", 128)],  # the same bytes per block as BF16's 64 keys
         "fp8_bk256": [(DA, "FP8_BLOCK_K", 256)],  # run EU's ran on V transposed: fp8_v_transposed+fp8_bk256 now
-        "fp8_warps8": [(DA, "NUM_WARPS", 8)],  # full layers only (the rings keep RING_NUM_WARPS)
+        "fp8_warps8": [(DA, "FP8_NUM_WARPS", 8)],  # full layers only (the rings keep RING_NUM_WARPS)
         # full layers' split chunks in whole blocks (before SPLIT_GRANULE: FP8 at 100K, B = 1: 61 splits of 1,664 keys)
         "split_blocks": [(DA, "SPLIT_GRANULE", None)],
         # full layers' splits past the data store nothing, and `combine` first loads the position to know which
@@ -93,14 +95,17 @@ def _variants():
         "full_preload": [(DA, "FULL_PRELOAD", True)],
         # full layers in fewer warps per program and as many more splits (the SMs as full; fewer cross-warp
         # reductions and barriers per key block), 64-key FP8 blocks so that 4 or 8 programs' stages fit an SM
-        "fp8_warps2_splits": [(DA, "NUM_WARPS", 2), (DA, "TARGET_PROGRAMS", 528), (DA, "FP8_BLOCK_K", 64)],
+        "fp8_warps2_splits": [(DA, "FP8_NUM_WARPS", 2), (DA, "FP8_TARGET_PROGRAMS", 528), (DA, "FP8_BLOCK_K", 64)],
         # full layers in 4-warp programs and twice the splits (528 programs): with 128 registers a thread four
         # 4-warp programs fit an SM, and 64-key FP8 blocks keep four programs' 3 stages in its shared memory; run
         # FC's ncu saw the default's 256 programs hold ~1.9 programs an SM, half the occupancy the registers allow
-        "fp8_splits128": [(DA, "TARGET_PROGRAMS", 528), (DA, "FP8_BLOCK_K", 64)],
+        "fp8_splits128": [(DA, "FP8_NUM_WARPS", 4), (DA, "FP8_TARGET_PROGRAMS", 528), (DA, "FP8_BLOCK_K", 64)],
         # full layers in 2-warp programs at the default splits (the best batch-1 point of runs EX and FD's sweep)
-        "fp8_warps2": [(DA, "NUM_WARPS", 2), (DA, "FP8_BLOCK_K", 64)],
-        "fp8_warps1_splits": [(DA, "NUM_WARPS", 1), (DA, "TARGET_PROGRAMS", 1056), (DA, "MAX_SPLITS", 256),
+        "fp8_warps2": [(DA, "FP8_NUM_WARPS", 2), (DA, "FP8_TARGET_PROGRAMS", 264), (DA, "FP8_BLOCK_K", 64)],
+        # an FP8 cache's full layers as the H200 ran them before run FI (its default since: 64-key blocks, 2 warps,
+        # 528 programs): 128-key blocks in 4-warp programs, 264 programs
+        "fp8_h200_before_FI": [(DA, "FP8_BLOCK_K", 128), (DA, "FP8_NUM_WARPS", 4), (DA, "FP8_TARGET_PROGRAMS", 264)],
+        "fp8_warps1_splits": [(DA, "FP8_NUM_WARPS", 1), (DA, "FP8_TARGET_PROGRAMS", 1056), (DA, "MAX_SPLITS", 256),
                               (DA, "FP8_BLOCK_K", 64), (DA, "NUM_STAGES", 2)],
         # an FP8 cache's V key-major like K (the default: runs EJ-ET's layout; state built in the variant), or
         # transposed with the keys on the dots' M dimension (run EU's default), or transposed with the query heads on M

@@ -10,6 +10,7 @@ for values that cancel). Attention outputs and the block output: within 2 BF16 u
 Cache contents outside the written slot and ring positions are exact.
 """
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -379,17 +380,81 @@ def test_fp8_cache_dots_in_fp16_decode_like_the_reference(monkeypatch, scores, v
 
 
 def test_fp8_block_follows_the_gpu_kind(monkeypatch):
-    """FP8_BLOCK_K None: 64-key blocks on an H100, 128 elsewhere (an H200, or no GPU: interpret mode and lowering on
+    """FP8_BLOCK_K None: 64-key blocks on an H100 and an H200, 128 elsewhere (no GPU: interpret mode and lowering on
     a CPU host); an int overrides the table on every device."""
     monkeypatch.setattr(DA, "FP8_BLOCK_K", None)
     assert DA.fp8_block_keys("NVIDIA H100 80GB HBM3") == 64
-    assert DA.fp8_block_keys("NVIDIA H200") == 128
+    assert DA.fp8_block_keys("NVIDIA H200") == 64
+    assert DA.fp8_block_keys("NVIDIA A100-SXM4-80GB") == DA.fp8_block_keys("") == 128
     # this host: 128 on a CPU (interpret mode, CI); compiled on a GPU (FLINT_PALLAS_COMPILED=1), that GPU's block
     host = jax.devices()[0].device_kind if jax.default_backend() == "gpu" else ""
+    assert DA.gpu_kind() == host
     assert DA.fp8_block_keys() == DA.full_block_keys(FP8) == (DA.fp8_block_keys(host) if host else 128)
     assert DA.full_block_keys(jnp.bfloat16) == DA.BLOCK_K
     monkeypatch.setattr(DA, "FP8_BLOCK_K", 256)
     assert DA.fp8_block_keys("NVIDIA H100 80GB HBM3") == 256
+
+
+def test_fp8_full_layers_take_the_gpus_program_shape(monkeypatch):
+    """An FP8 cache's full layers run 2-warp programs and aim at 528 programs on an H200 (128 splits at batch 1, 16
+    at batch 8: run FI), NUM_WARPS and TARGET_PROGRAMS elsewhere; BF16 caches keep NUM_WARPS and TARGET_PROGRAMS
+    on every GPU; FP8_NUM_WARPS and FP8_TARGET_PROGRAMS override the table."""
+    for knob in ("FP8_BLOCK_K", "FP8_NUM_WARPS", "FP8_TARGET_PROGRAMS"):
+        monkeypatch.setattr(DA, knob, None)
+    h200, h100 = "NVIDIA H200", "NVIDIA H100 80GB HBM3"
+    assert DA.full_num_warps(FP8, h200) == 2 and DA.full_target_programs(FP8, h200) == 528
+    for kind in (h100, ""):
+        assert DA.full_num_warps(FP8, kind) == DA.NUM_WARPS
+        assert DA.full_target_programs(FP8, kind) == DA.TARGET_PROGRAMS
+    assert DA.full_num_warps(jnp.bfloat16, h200) == DA.NUM_WARPS
+    assert DA.full_target_programs(jnp.bfloat16, h200) == DA.TARGET_PROGRAMS
+    monkeypatch.setattr(DA, "gpu_kind", lambda: h200)
+    assert [DA.default_splits(b, 4, False, FP8) for b in (1, 2, 4, 8)] == [128, 64, 32, 16]
+    assert [DA.default_splits(b, 4, False) for b in (1, 8)] == [64, 8]
+    assert DA.default_splits(1, 4, True, FP8) == DA.RING_SPLITS
+    monkeypatch.setattr(DA, "FP8_NUM_WARPS", 4)
+    monkeypatch.setattr(DA, "FP8_TARGET_PROGRAMS", 264)
+    assert DA.full_num_warps(FP8, h200) == 4 and DA.default_splits(1, 4, False, FP8) == 64
+
+
+def _lowered_attention_calls(cfg, kv_dtype, rows: int = 1, context: int = 4096):
+    """(kernel name, num_warps, grid) of the Triton calls of a full layer's decode attention block, lowered for CUDA
+    on this host (abstract parameters)."""
+    from flint_jax.pallas_path import lowering_for_gpu
+    params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0), "nvfp4"))
+    layer = params.layers[cfg.full_layers[0]]
+    kv = jax.ShapeDtypeStruct((rows, cfg.num_key_value_heads, context, cfg.head_dim), kv_dtype)
+    h = jax.ShapeDtypeStruct((rows, cfg.hidden_size), jnp.bfloat16)
+    pos, act = jax.ShapeDtypeStruct((rows,), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.bool_)
+
+    def block(h, layer, k, v, pos, act):
+        return DA.attention_block_decode(h, layer, FullCache(k=k, v=v), pos, act, cfg, False)
+    with lowering_for_gpu():
+        text = jax.jit(block).trace(h, layer, kv, kv, pos, act).lower(lowering_platforms=("cuda",)).as_text()
+    names = re.findall(r'name = "(decode_attention[^"]*)".*?num_warps = (\d+) : i32', text, re.S)
+    grids = re.findall(r'grid_x = (\d+) : i32, grid_y = (\d+) : i32, grid_z = (\d+) : i32', text)
+    return {name: int(warps) for name, warps in names}, [tuple(map(int, g)) for g in grids]
+
+
+def test_fp8_program_shape_reaches_the_lowered_kernel(monkeypatch):
+    """The GPU's FP8 program shape is what the full layer's kernel is launched with: lowered for CUDA as an H200,
+    the fused full-layer kernel runs 2 warps over a (batch, KV heads, 128 splits) grid; as an unlisted GPU 4 warps
+    over 64 splits (the tiny config's 2 KV heads: 528 // 2 and 264 // 2 programs, capped at MAX_SPLITS = 128)."""
+    for knob in ("FP8_BLOCK_K", "FP8_NUM_WARPS", "FP8_TARGET_PROGRAMS"):
+        monkeypatch.setattr(DA, knob, None)
+    cfg = FlintConfig.tiny()
+    kv = cfg.num_key_value_heads
+    monkeypatch.setattr(DA, "gpu_kind", lambda: "NVIDIA H200")
+    warps, grids = _lowered_attention_calls(cfg, FP8)
+    assert warps["decode_attention_fused_full"] == 2 and (1, kv, 128) in grids
+    monkeypatch.setattr(DA, "gpu_kind", lambda: "")
+    warps, grids = _lowered_attention_calls(cfg, FP8)
+    expect = min(DA.MAX_SPLITS, DA.TARGET_PROGRAMS // kv)
+    expect = 1 << (expect.bit_length() - 1)
+    assert warps["decode_attention_fused_full"] == DA.NUM_WARPS and (1, kv, expect) in grids
+    monkeypatch.setattr(DA, "gpu_kind", lambda: "NVIDIA H200")
+    warps, grids = _lowered_attention_calls(cfg, jnp.bfloat16)  # BF16 caches: unchanged on an H200
+    assert warps["decode_attention_fused_full"] == DA.NUM_WARPS and (1, kv, expect) in grids
 
 
 @pytest.mark.parametrize("granule,chunk,active", [(64, 1600, 63), (None, 1664, 61)], ids=["granules", "blocks"])
