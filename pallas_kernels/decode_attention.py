@@ -157,8 +157,8 @@ P_SCALE = 2.0 ** 15
 # jax's device_kind ("NVIDIA H100 80GB HBM3", "NVIDIA H200"); a kind not listed, or a trace without a GPU (interpret
 # mode, lowering on a CPU host), takes 128-key blocks, NUM_WARPS and TARGET_PROGRAMS. What the measurements picked:
 # - H100: 64-key blocks (runs EX-EY, scripts/profile_decode.py, NVFP4 step at 100K, batch 1: 45.4 -> 41.5 us per
-#   layer, span 2.253 -> 2.200 ms; the kernel alone 46.7 -> 44.0 us); 2 warps were neutral there (run FE) and twice
-#   the programs slower (run FD).
+#   layer, span 2.253 -> 2.200 ms; the kernel alone 46.7 -> 44.0 us); there 2 warps were neutral in the step (run
+#   FE), twice the programs slower (run FD), and both together slower alone (run FD's sweep: 44.7 against 43.0 us).
 # - H200: 64-key blocks in 2-warp programs, 528 programs (128 splits at batch 1, 16 at batch 8). Run FI
 #   (docs/BENCHMARKS.md), NVFP4 step at 100K on FP8 caches, against 128-key blocks in 4-warp programs, 264 programs
 #   (run ER's choice): batch 1 38.4 -> 36.2 us per layer, span 2.114 -> 2.092 ms; batch 8 233.4 -> 219.3 us, span

@@ -66,8 +66,8 @@ def _variants():
         # full layers only (the rings keep RING_NUM_WARPS): fewer warps per program, no cross-warp reductions in a
         # key block's softmax; with attn_two_waves twice the programs (an FP8 cache's stages take half the shared
         # memory, so more programs fit on an SM)
-        # (NUM_WARPS and TARGET_PROGRAMS: BF16 caches, and FP8 ones where decode_attention.FP8_FULL_BY_DEVICE does not
-        # set them for the GPU, as on an H200; the fp8_* variants set FP8_NUM_WARPS / FP8_TARGET_PROGRAMS)
+        # (NUM_WARPS and TARGET_PROGRAMS reach BF16 caches, and FP8 ones only where decode_attention.FP8_FULL_BY_DEVICE
+        # does not set them for the GPU: it does on an H200; the fp8_* variants set FP8_NUM_WARPS / FP8_TARGET_PROGRAMS)
         "attn_warps2": [(DA, "NUM_WARPS", 2)],
         # the values' dot (rings and full layers): two BF16 dots on p's hi and lo parts, V as BF16 (no FP32 copy);
         # or one BF16 dot (p rounded to BF16: coarser than the reference, a probe of what the dot costs)
