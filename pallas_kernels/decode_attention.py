@@ -61,6 +61,12 @@ MAX_SPLITS = 128
 # slower on the H200 (run AK, 100K: 56.7 us against 55.0-55.3 with 64; 8K: 13.1 against 10.6-10.7), so off.
 ANY_SPLITS = False
 MIN_CHUNK = 256  # keys per split at least: short contexts use fewer splits (fewer partials written and combined)
+# Full layers launch no more splits than a split of MIN_CHUNK keys each could fill in the cache (`default_splits`'
+# max_len): a cache of 2,048 slots (the engine's default max_len) runs 8 splits instead of 64, an 8K one on an H200's
+# FP8 setting 64 instead of 128. The same chunks for every length, so the same keys per program; the programs past
+# them only ever stored neutral partials, which `combine` then folded. False: splits by the program target alone
+# (the form before; the profiler variant `splits_past_max_len`).
+SPLITS_FIT_MAX_LEN = True
 # Fold the split partials inside the attention kernel, in the program that arrives last at a per-(sequence, KV
 # head) atomic counter (True), instead of launching `combine` (False, the default). Memory ordering: every thread's
 # partial stores, then a CTA barrier, then one acq_rel atomic per program; the last program reads the partials with
@@ -300,18 +306,33 @@ def _load_ring_block(k_ref, v_ref, kpos_ref, b, kv, t0, active, n_slots: int, dh
     return kp, kb1, kb2, vb
 
 
-def default_splits(batch: int, kv_heads: int, sliding: bool, cache_dtype=BF16) -> int:
+def default_splits(batch: int, kv_heads: int, sliding: bool, cache_dtype=BF16, max_len: int | None = None,
+                   min_chunk: int | None = None) -> int:
     """Splits of the key range per (sequence, KV head). Sliding layers: RING_SPLITS. Full layers: as many as keep
     the programs within the cache's target (`full_target_programs`: TARGET_PROGRAMS, one wave, on a BF16 cache), a
     power of two where the kernel folds the splits itself (its fold loads whole power-of-two groups); the `combine`
-    kernel takes any count, used with ANY_SPLITS (B = 1: 66)."""
+    kernel takes any count, used with ANY_SPLITS (B = 1: 66). Given the cache's `max_len` (and the `min_chunk` keys
+    a split takes at least, whole units; default MIN_CHUNK) and SPLITS_FIT_MAX_LEN, no more splits than
+    `max_splits_with_keys`: the rest could never hold a key."""
     if sliding:
         return RING_SPLITS
     fit = min(MAX_SPLITS, max(1, full_target_programs(cache_dtype) // (batch * kv_heads)))
     pow2 = 1 << (fit.bit_length() - 1)
     if COMBINE_IN_KERNEL and pow2 <= MAX_SPLITS_IN_KERNEL:
-        return pow2
-    return fit if ANY_SPLITS else pow2
+        fit = pow2
+    elif not ANY_SPLITS:
+        fit = pow2
+    if max_len is not None and SPLITS_FIT_MAX_LEN:
+        needed = max_splits_with_keys(max_len, MIN_CHUNK if min_chunk is None else min_chunk)
+        fit = min(fit, needed if ANY_SPLITS else pl.next_power_of_2(needed))
+    return fit
+
+
+def max_splits_with_keys(max_len: int, min_chunk: int) -> int:
+    """The most splits of a full layer that can hold keys in a cache of `max_len` slots: a split takes at least
+    `min_chunk` keys (`split_geometry`). Any split count S >= this gives every length the same chunks (min_chunk
+    each, since ceil(length / S) <= min_chunk), so the splits past it only ever store neutral partials."""
+    return max(1, -(-max_len // min_chunk))
 
 
 def ring_chunk(n_slots: int, splits: int) -> int:
@@ -699,10 +720,6 @@ def _attention_call(mode, first_args, cache, positions, active, sinks, cfg, slid
     check_cache(cache, cfg, B, sliding, interpret)
     ring = isinstance(cache, RingCache)
     n_slots = cache.k.shape[2]
-    if splits is None:
-        splits = default_splits(B, KV, ring, cache.k.dtype)
-    if not isinstance(splits, int) or splits < 1:
-        raise ValueError(f"splits must be a positive integer, got {splits!r}")
     min_chunk = MIN_CHUNK if min_chunk is None else min_chunk
     if min_chunk < BLOCK_K or min_chunk % BLOCK_K:
         raise ValueError(f"min_chunk must be a multiple of BLOCK_K={BLOCK_K}, got {min_chunk}")
@@ -711,6 +728,12 @@ def _attention_call(mode, first_args, cache, positions, active, sinks, cfg, slid
         raise ValueError(f"decode_attention.FP8_BLOCK_K must be a multiple of BLOCK_K={BLOCK_K}, got {block_k}")
     unit = chunk_unit(block_k)  # rings: block_k = BLOCK_K = the unit
     min_chunk = -(-min_chunk // unit) * unit  # whole units
+    if splits is None:
+        splits = default_splits(B, KV, ring, cache.k.dtype, max_len=n_slots, min_chunk=min_chunk)
+        if splits == 1 and out_rows > B:  # a cache of <= min_chunk slots and a padded batch: `combine` writes the
+            splits = 2                    # padding rows' zeros (one split would need an XLA pad after the kernel)
+    if not isinstance(splits, int) or splits < 1:
+        raise ValueError(f"splits must be a positive integer, got {splits!r}")
     cache_in = [cache.k, cache.v] + ([cache.pos] if ring else [])
     args = [*first_args, positions.astype(jnp.int32), active.astype(jnp.int32), sinks.astype(F32), *cache_in]
     # The kernel folds power-of-two split counts up to MAX_SPLITS_IN_KERNEL itself; any other count goes to combine.

@@ -118,6 +118,9 @@ def _variants():
         # full layers below 16K: smaller split chunks (MIN_CHUNK 256 gives 8K 32 splits of 256 keys; not yet measured)
         "attn_min_chunk128": [(DA, "MIN_CHUNK", 128)],
         "attn_min_chunk64": [(DA, "MIN_CHUNK", 64)],
+        # full layers split by the program target alone, also past the splits a short cache can fill (before
+        # SPLITS_FIT_MAX_LEN: an 8K cache on the H200's FP8 setting 128 splits instead of 64)
+        "splits_past_max_len": [(DA, "SPLITS_FIT_MAX_LEN", False)],
         "hot_weights": [],  # no knobs: its parameters differ (PARAM_VARIANTS)
         "lm_head_tiles": [],  # served step: the LM head tiled for the Mosaic GPU kernel (PARAM_VARIANTS)
         "ring_splits4": [(DA, "RING_SPLITS", 4)],

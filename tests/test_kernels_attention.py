@@ -213,16 +213,18 @@ def test_default_splits():
 
 # ---- the whole block against model.attention_block ---------------------------------------------------------------
 
-def check_two_decode_steps(block, layer, cache, lengths, sliding: bool, seed: int, check_caches: bool = True):
+def check_two_decode_steps(block, layer, cache, lengths, sliding: bool, seed: int, check_caches: bool = True,
+                           full_splits: int | None = 4):
     """Two fused decode steps from `cache` at `lengths` (sequence 1 inactive in the first step) by `block` and by
-    the reference: each step's h, and (check_caches) the caches, against the reference's."""
+    the reference: each step's h, and (check_caches) the caches, against the reference's. A full layer runs
+    `full_splits` splits (None: the default count) of at least 64 keys."""
     B = len(lengths)
     cache_ref = cache
     pos = jnp.asarray(lengths, jnp.int32)
     for step in range(2):
         h = jax.random.normal(jax.random.key(seed + step), (B, CFG.hidden_size)).astype(jnp.bfloat16)
         active = jnp.array([True, step != 0, True, True])
-        got, cache = block(h, layer, cache, pos, active, cfg=CFG, sliding=sliding, splits=None if sliding else 4,
+        got, cache = block(h, layer, cache, pos, active, cfg=CFG, sliding=sliding, splits=None if sliding else full_splits,
                            min_chunk=None if sliding else 64)
         ref, cache_ref = block_r(h, layer, cache_ref, pos, active, cfg=CFG, sliding=sliding)
         assert_out_close(got, ref)
@@ -440,21 +442,70 @@ def test_fp8_program_shape_reaches_the_lowered_kernel(monkeypatch):
     config's 2 KV heads: lowered for CUDA as an H200 the fused full-layer kernel runs 2 warps over a (2, 2, 128)
     grid (528 // 4 programs, capped at MAX_SPLITS = 128); as an unlisted GPU, and on a BF16 cache as an H200,
     NUM_WARPS over (2, 2, 64) (264 // 4 = 66, down to a power of two). At one sequence both counts would hit the
-    cap, so the split count would not show whether the cache's target reached `default_splits`."""
+    cap, so the split count would not show whether the cache's target reached `default_splits`. The cache holds
+    32,768 slots, which 128 splits of MIN_CHUNK = 256 keys can fill (SPLITS_FIT_MAX_LEN)."""
     for knob in ("FP8_BLOCK_K", "FP8_NUM_WARPS", "FP8_TARGET_PROGRAMS"):
         monkeypatch.setattr(DA, knob, None)
     cfg = FlintConfig.tiny()
-    kv, rows = cfg.num_key_value_heads, 2
+    kv, rows, context = cfg.num_key_value_heads, 2, 128 * DA.MIN_CHUNK
     monkeypatch.setattr(DA, "gpu_kind", lambda: "NVIDIA H200")
-    assert _lowered_attention_calls(cfg, FP8, rows)["decode_attention_fused_full"] == (2, (rows, kv, 128))
+    assert _lowered_attention_calls(cfg, FP8, rows, context)["decode_attention_fused_full"] == (2, (rows, kv, 128))
     monkeypatch.setattr(DA, "gpu_kind", lambda: "")
     expect = min(DA.MAX_SPLITS, DA.TARGET_PROGRAMS // (rows * kv))
     expect = (DA.NUM_WARPS, (rows, kv, 1 << (expect.bit_length() - 1)))
     assert expect[1][2] < 128
-    assert _lowered_attention_calls(cfg, FP8, rows)["decode_attention_fused_full"] == expect
+    assert _lowered_attention_calls(cfg, FP8, rows, context)["decode_attention_fused_full"] == expect
     monkeypatch.setattr(DA, "gpu_kind", lambda: "NVIDIA H200")
     # BF16 caches: unchanged on an H200
-    assert _lowered_attention_calls(cfg, jnp.bfloat16, rows)["decode_attention_fused_full"] == expect
+    assert _lowered_attention_calls(cfg, jnp.bfloat16, rows, context)["decode_attention_fused_full"] == expect
+
+
+@pytest.mark.parametrize("fit", [True, False], ids=["fit-max-len", "by-target-alone"])
+def test_full_layer_splits_fit_the_cache(monkeypatch, fit):
+    """SPLITS_FIT_MAX_LEN: a full layer launches no more splits than MIN_CHUNK-key splits can fill in its cache (the
+    next power of two): lowered for CUDA as an H200 on FP8 caches (2 sequences, target 128 splits), 4,096 slots give
+    16 splits, 4,097 give 32, 32,768 give the target's 128; a 2,048-slot BF16 cache at one sequence 8 of the 128.
+    Off, every cache takes the target's count. With a 256-key minimum chunk, a 4,096-slot cache fills 16 splits."""
+    monkeypatch.setattr(DA, "SPLITS_FIT_MAX_LEN", fit)
+    for knob in ("FP8_BLOCK_K", "FP8_NUM_WARPS", "FP8_TARGET_PROGRAMS"):
+        monkeypatch.setattr(DA, knob, None)
+    monkeypatch.setattr(DA, "gpu_kind", lambda: "NVIDIA H200")
+    assert DA.MIN_CHUNK == 256
+    assert [DA.max_splits_with_keys(n, 256) for n in (1, 256, 257, 4096, 4097)] == [1, 1, 2, 16, 17]
+    cfg = FlintConfig.tiny()
+    kv, rows = cfg.num_key_value_heads, 2
+    for context, capped in ((4096, 16), (4097, 32), (32768, 128)):
+        got = _lowered_attention_calls(cfg, FP8, rows, context)["decode_attention_fused_full"]
+        assert got == (2, (rows, kv, capped if fit else 128)), context
+        assert DA.default_splits(rows, kv, False, FP8, max_len=context) == (capped if fit else 128)
+    got = _lowered_attention_calls(cfg, jnp.bfloat16, 1, 2048)["decode_attention_fused_full"]
+    assert got[1] == (1, kv, 8 if fit else 128)  # 264 // 2 programs, capped at MAX_SPLITS
+    # min_chunk counts: 128-key chunks fill twice the splits
+    assert DA.default_splits(1, 4, False, max_len=2048, min_chunk=128) == (16 if fit else 64)
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+def test_full_layer_splits_that_fit_the_cache_decode_alike(monkeypatch, kv_dtype):
+    """The splits SPLITS_FIT_MAX_LEN leaves out only ever held neutral partials: at lengths up to the cache's end
+    (max_len 256 with 64-key chunks: 4 splits instead of 64) the fused decode gives the same outputs and caches with
+    and without them (the fold sums the same partials; FP32 sums of differently grouped terms may differ in the last
+    bit), and both match the reference for two steps."""
+    layer, cache, lengths = block_case(False, seed=50, fp8=kv_dtype == "fp8")
+    B, KV = len(lengths), CFG.num_key_value_heads
+    assert cache.k.shape[2] == 256
+    h = jax.random.normal(jax.random.key(51), (B, CFG.hidden_size)).astype(jnp.bfloat16)
+    pos, active = jnp.asarray(lengths, jnp.int32), jnp.ones((B,), bool)
+    outs = {}
+    for fit in (True, False):
+        monkeypatch.setattr(DA, "SPLITS_FIT_MAX_LEN", fit)
+        splits = DA.default_splits(B, KV, False, cache.k.dtype, max_len=256, min_chunk=64)
+        assert splits == (4 if fit else DA.default_splits(B, KV, False, cache.k.dtype)) and (fit or splits > 4)
+        block = _jit(DA.attention_block_decode, "cfg", "sliding", "splits", "min_chunk")  # a fresh trace
+        outs[fit] = block(h, layer, cache, pos, active, cfg=CFG, sliding=False, splits=None, min_chunk=64)
+        check_two_decode_steps(block, layer, cache, lengths, False, seed=52, check_caches=False, full_splits=None)
+    (o_fit, c_fit), (o_all, c_all) = outs[True], outs[False]
+    np.testing.assert_allclose(f32(o_fit), f32(o_all), rtol=2 ** -7, atol=1e-6)
+    np.testing.assert_array_equal(f32(c_fit.k), f32(c_all.k))
 
 
 @pytest.mark.parametrize("granule,chunk,active", [(64, 1600, 63), (None, 1664, 61)], ids=["granules", "blocks"])

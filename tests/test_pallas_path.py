@@ -144,12 +144,14 @@ def test_decode_step_lowers_for_the_gpu_with_the_planned_kernels(tiny_cfg):
     attention kernel folds itself (DA.COMBINE_IN_KERNEL, DA.MAX_SPLITS_IN_KERNEL; the default: every split
     layer, the sliding layers' rings included), + 3 (MoE) or 2 (dense) MLP kernels."""
     from flint_jax.pallas_kernels import decode_attention as DA
-    census = pallas_path.kernel_census(tiny_cfg, "nvfp4", batch=1, max_len=64)
+    census = pallas_path.kernel_census(tiny_cfg, "nvfp4", batch=1, max_len=512)  # full layers: 2 splits of 256
     cfg = tiny_cfg
     n_full = len(cfg.full_layers)
     n_moe = sum(cfg.is_moe(i) for i in range(cfg.num_hidden_layers))
-    splits = DA.default_splits(1, cfg.num_key_value_heads, sliding=False)
-    in_kernel = DA.COMBINE_IN_KERNEL and splits <= DA.MAX_SPLITS_IN_KERNEL and not splits & (splits - 1)
+    splits = DA.default_splits(1, cfg.num_key_value_heads, sliding=False, max_len=512)
+    assert splits > 1
+    in_kernel = splits == 1 or (DA.COMBINE_IN_KERNEL and splits <= DA.MAX_SPLITS_IN_KERNEL
+                                and not splits & (splits - 1))
     ring_splits = DA.default_splits(1, cfg.num_key_value_heads, sliding=True)
     ring_in_kernel = DA.COMBINE_IN_KERNEL and ring_splits <= DA.MAX_SPLITS_IN_KERNEL
     n_combine = (0 if in_kernel else n_full) + (0 if ring_in_kernel or ring_splits == 1 else
