@@ -224,8 +224,8 @@ def check_two_decode_steps(block, layer, cache, lengths, sliding: bool, seed: in
     for step in range(2):
         h = jax.random.normal(jax.random.key(seed + step), (B, CFG.hidden_size)).astype(jnp.bfloat16)
         active = jnp.array([True, step != 0, True, True])
-        got, cache = block(h, layer, cache, pos, active, cfg=CFG, sliding=sliding, splits=None if sliding else full_splits,
-                           min_chunk=None if sliding else 64)
+        got, cache = block(h, layer, cache, pos, active, cfg=CFG, sliding=sliding,
+                           splits=None if sliding else full_splits, min_chunk=None if sliding else 64)
         ref, cache_ref = block_r(h, layer, cache_ref, pos, active, cfg=CFG, sliding=sliding)
         assert_out_close(got, ref)
         if check_caches:
@@ -465,7 +465,7 @@ def test_full_layer_splits_fit_the_cache(monkeypatch, fit):
     """SPLITS_FIT_MAX_LEN: a full layer launches no more splits than MIN_CHUNK-key splits can fill in its cache (the
     next power of two): lowered for CUDA as an H200 on FP8 caches (2 sequences, target 128 splits), 4,096 slots give
     16 splits, 4,097 give 32, 32,768 give the target's 128; a 2,048-slot BF16 cache at one sequence 8 of the 128.
-    Off, every cache takes the target's count. With a 256-key minimum chunk, a 4,096-slot cache fills 16 splits."""
+    Off, every cache takes the target's count."""
     monkeypatch.setattr(DA, "SPLITS_FIT_MAX_LEN", fit)
     for knob in ("FP8_BLOCK_K", "FP8_NUM_WARPS", "FP8_TARGET_PROGRAMS"):
         monkeypatch.setattr(DA, knob, None)
@@ -487,9 +487,9 @@ def test_full_layer_splits_fit_the_cache(monkeypatch, fit):
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
 def test_full_layer_splits_that_fit_the_cache_decode_alike(monkeypatch, kv_dtype):
     """The splits SPLITS_FIT_MAX_LEN leaves out only ever held neutral partials: at lengths up to the cache's end
-    (max_len 256 with 64-key chunks: 4 splits instead of 64) the fused decode gives the same outputs and caches with
-    and without them (the fold sums the same partials; FP32 sums of differently grouped terms may differ in the last
-    bit), and both match the reference for two steps."""
+    (max_len 256 with 64-key chunks, 4 sequences: 4 splits instead of 32) the fused decode gives the same outputs
+    (within a BF16 rounding: the fold sums the same partials, but FP32 sums grouped differently may differ in the
+    last bit) and writes the same cache with and without them, and both match the reference for two steps."""
     layer, cache, lengths = block_case(False, seed=50, fp8=kv_dtype == "fp8")
     B, KV = len(lengths), CFG.num_key_value_heads
     assert cache.k.shape[2] == 256
