@@ -62,10 +62,11 @@ MAX_SPLITS = 128
 ANY_SPLITS = False
 MIN_CHUNK = 256  # keys per split at least: short contexts use fewer splits (fewer partials written and combined)
 # Full layers launch no more splits than a split of MIN_CHUNK keys each could fill in the cache (`default_splits`'
-# max_len): a cache of 2,048 slots (the engine's default max_len) runs 8 splits instead of 64, an 8K one on an H200's
-# FP8 setting 64 instead of 128. The same chunks for every length, so the same keys per program; the programs past
-# them only ever stored neutral partials, which `combine` then folded. False: splits by the program target alone
-# (the form before; the profiler variant `splits_past_max_len`).
+# max_len): a cache of 2,048 slots (the engine's default max_len) runs 8 splits instead of 64, one of 8,200 slots
+# (profile_decode.py's at --context 8192) 64 instead of 128 on an H200's FP8 setting. The same chunks for every
+# length, so the same keys per program; the programs past them only ever stored neutral partials, which `combine`
+# then folded. False: splits by the program target alone (the form before; the profiler variant
+# `splits_past_max_len`).
 SPLITS_FIT_MAX_LEN = True
 # Fold the split partials inside the attention kernel, in the program that arrives last at a per-(sequence, KV
 # head) atomic counter (True), instead of launching `combine` (False, the default). Memory ordering: every thread's
@@ -318,9 +319,7 @@ def default_splits(batch: int, kv_heads: int, sliding: bool, cache_dtype=BF16, m
         return RING_SPLITS
     fit = min(MAX_SPLITS, max(1, full_target_programs(cache_dtype) // (batch * kv_heads)))
     pow2 = 1 << (fit.bit_length() - 1)
-    if COMBINE_IN_KERNEL and pow2 <= MAX_SPLITS_IN_KERNEL:
-        fit = pow2
-    elif not ANY_SPLITS:
+    if not ANY_SPLITS or (COMBINE_IN_KERNEL and pow2 <= MAX_SPLITS_IN_KERNEL):
         fit = pow2
     if max_len is not None and SPLITS_FIT_MAX_LEN:
         needed = max_splits_with_keys(max_len, MIN_CHUNK if min_chunk is None else min_chunk)

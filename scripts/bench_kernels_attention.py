@@ -186,7 +186,8 @@ def bench_decode_attention(cfg, peak, rows, B, context, max_len, copies, splits=
     nbytes = B * KV * context * D * 2 * jnp.dtype(kv_dtype).itemsize
     row = dict(kernel=f"decode_attention full{tag}", kv_dtype=jnp.dtype(kv_dtype).name,
                shape=f"B={B} Hq={Hq} KV={KV} D={D} splits="
-               f"{splits or DA.default_splits(B, KV, False, kv_dtype, max_len=max_len)} max_len={max_len}", context=context,
+               f"{splits or DA.default_splits(B, KV, False, kv_dtype, max_len=max_len)} max_len={max_len}",
+               context=context,
                us=t * 1e6, GBps=nbytes / t / 1e9, pct_peak=100 * nbytes / t / peak, rel_err=err[0])
     add_device_time(row, lambda: f(caches), copies, nbytes)
     if ref:

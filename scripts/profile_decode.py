@@ -119,7 +119,8 @@ def _variants():
         "attn_min_chunk128": [(DA, "MIN_CHUNK", 128)],
         "attn_min_chunk64": [(DA, "MIN_CHUNK", 64)],
         # full layers split by the program target alone, also past the splits a short cache can fill (before
-        # SPLITS_FIT_MAX_LEN: an 8K cache on the H200's FP8 setting 128 splits instead of 64)
+        # SPLITS_FIT_MAX_LEN: this script's 8,200-slot cache at --context 8192, on the H200's FP8 setting, 128 splits
+        # instead of 64)
         "splits_past_max_len": [(DA, "SPLITS_FIT_MAX_LEN", False)],
         "hot_weights": [],  # no knobs: its parameters differ (PARAM_VARIANTS)
         "lm_head_tiles": [],  # served step: the LM head tiled for the Mosaic GPU kernel (PARAM_VARIANTS)

@@ -150,8 +150,7 @@ def test_decode_step_lowers_for_the_gpu_with_the_planned_kernels(tiny_cfg):
     n_moe = sum(cfg.is_moe(i) for i in range(cfg.num_hidden_layers))
     splits = DA.default_splits(1, cfg.num_key_value_heads, sliding=False, max_len=512)
     assert splits > 1
-    in_kernel = splits == 1 or (DA.COMBINE_IN_KERNEL and splits <= DA.MAX_SPLITS_IN_KERNEL
-                                and not splits & (splits - 1))
+    in_kernel = DA.COMBINE_IN_KERNEL and splits <= DA.MAX_SPLITS_IN_KERNEL and not splits & (splits - 1)
     ring_splits = DA.default_splits(1, cfg.num_key_value_heads, sliding=True)
     ring_in_kernel = DA.COMBINE_IN_KERNEL and ring_splits <= DA.MAX_SPLITS_IN_KERNEL
     n_combine = (0 if in_kernel else n_full) + (0 if ring_in_kernel or ring_splits == 1 else
