@@ -31,6 +31,8 @@
 #   fp8sweep     the FP8 full-layer kernel alone over its warps / stages / block / splits grid, batch 1 and 8 at 100K
 #                (scripts/bench_kernels_attention.py --sections bw,fp8sweep; run EX timed it on an H100)
 #   ttft_fp8     the 100K TTFT on the engine's path with FP8 full caches (bench_prefill.py --kv-dtype fp8)
+#   splits_fit   decode_attention.SPLITS_FIT_MAX_LEN: its compiled tests, then the NVFP4 step on a 2,040-token BF16
+#                cache (8 against 64 full-layer splits) and, on an H200, on an 8,192-token FP8 cache (64 against 128)
 # Run from the repo root through the device tool with carry=[".whl"] (the gguf wheel), e.g.
 #   bash scripts/gpu_session.sh 560 tests profile
 # Each part writes under a work folder; at the end everything is packed into $OUT/gpu_session.tgz (the device tool
@@ -111,6 +113,14 @@ for p in $parts; do
     ttft_fp8) part ttft_fp8 ${TTFT_FP8_LIMIT:-150} python3 scripts/bench_prefill.py --out "$work/ttft_fp8" \
              --weights nvfp4 --kv-dtype fp8 --skip moe,attn,jax,extras,prefill,routing --no-sweep \
              --budget-s $(( ${TTFT_FP8_LIMIT:-150} - 15 )) ;;
+    splits_fit) part splits_fit_tests 90 env FLINT_PALLAS_COMPILED=1 python3 -m pytest -q -p no:cacheprovider \
+             tests/test_kernels_attention.py -k "fit_the_cache or attention_block_decode_steps or decode_attention_full"
+             part splits_fit_2k ${SPLITS_FIT_LIMIT:-150} python3 scripts/profile_decode.py --out "$work/splits_fit_2k" \
+             --weights nvfp4 --impls pallas --context 2040 --kv-dtype bf16 --variants base,splits_past_max_len,base
+             if grep -q H200 "$work/gpu.txt"; then
+               part splits_fit_8k ${SPLITS_FIT_LIMIT:-150} python3 scripts/profile_decode.py --out "$work/splits_fit_8k" \
+               --weights nvfp4 --impls pallas --context 8192 --kv-dtype fp8 --variants base,splits_past_max_len,base
+             fi ;;
     *) echo "unknown part $p" | tee -a "$work/summary.txt" ;;
   esac
 done
@@ -118,7 +128,7 @@ done
 tar czf "$OUT/gpu_session.tgz" -C "$work" .
 cp "$work/summary.txt" "$OUT/"
 for f in profile/profile.md profile_bf16/profile.md decode/results.md decode8/results.md prefill/bench_prefill.md \
-         prefill_check/bench_prefill.md profile_fp8/profile.md profile_fp8_b8/profile.md decode_fp8/results.md \
+         prefill_check/bench_prefill.md splits_fit_2k/profile.md splits_fit_8k/profile.md profile_fp8/profile.md profile_fp8_b8/profile.md decode_fp8/results.md \
          ttft_fp8/bench_prefill.md; do
   [ -f "$work/$f" ] && cp "$work/$f" "$OUT/$(dirname "$f").md"
   [ -f "$work/$(dirname "$f")/results.json" ] && cp "$work/$(dirname "$f")/results.json" "$OUT/$(dirname "$f").json"
