@@ -33,6 +33,7 @@
 #   ttft_fp8     the 100K TTFT on the engine's path with FP8 full caches (bench_prefill.py --kv-dtype fp8)
 #   splits_fit   decode_attention.SPLITS_FIT_MAX_LEN: its compiled tests, then the NVFP4 step on a 2,040-token BF16
 #                cache (8 against 64 full-layer splits) and, on an H200, on an 8,192-token FP8 cache (64 against 128)
+#   splits_fit_8k  only the latter
 # Run from the repo root through the device tool with carry=[".whl"] (the gguf wheel), e.g.
 #   bash scripts/gpu_session.sh 560 tests profile
 # Each part writes under a work folder; at the end everything is packed into $OUT/gpu_session.tgz (the device tool
@@ -64,6 +65,11 @@ part() {  # part NAME SECONDS COMMAND...: run with a limit that never exceeds wh
   timeout "$budget" "$@" > "$work/$name.log" 2>&1
   echo "[$name] exit $? after $(( $(date +%s) - start ))s total" | tee -a "$work/summary.txt"
   grep -v '^|' "$work/$name.log" | tail -30
+}
+
+splits_fit_8k() {  # the H200's FP8 setting at an 8,192-token cache: 64 full-layer splits against 128
+  part splits_fit_8k ${SPLITS_FIT_LIMIT:-150} python3 scripts/profile_decode.py --out "$work/splits_fit_8k" \
+    --weights nvfp4 --impls pallas --context 8192 --kv-dtype fp8 --variants base,splits_past_max_len,base
 }
 
 for p in $parts; do
@@ -117,10 +123,8 @@ for p in $parts; do
              tests/test_kernels_attention.py -k "fit_the_cache or attention_block_decode_steps or decode_attention_full"
              part splits_fit_2k ${SPLITS_FIT_LIMIT:-150} python3 scripts/profile_decode.py --out "$work/splits_fit_2k" \
              --weights nvfp4 --impls pallas --context 2040 --kv-dtype bf16 --variants base,splits_past_max_len,base
-             if grep -q H200 "$work/gpu.txt"; then
-               part splits_fit_8k ${SPLITS_FIT_LIMIT:-150} python3 scripts/profile_decode.py --out "$work/splits_fit_8k" \
-               --weights nvfp4 --impls pallas --context 8192 --kv-dtype fp8 --variants base,splits_past_max_len,base
-             fi ;;
+             grep -q H200 "$work/gpu.txt" && splits_fit_8k ;;
+    splits_fit_8k) splits_fit_8k ;;
     *) echo "unknown part $p" | tee -a "$work/summary.txt" ;;
   esac
 done
