@@ -5,6 +5,7 @@
 #   tests     the kernel tests compiled on the GPU (FLINT_PALLAS_COMPILED=1): attention, GEMV, MoE, prefill
 #   tests_all every kernel test file compiled on the GPU (attention, GEMV, MoE, the Pallas path, sampling, Mosaic
 #             NVFP4, prefill attention, grouped GEMMs; ~330 cases; junit XML in the pack)
+#   tests_attention  the compiled attention-kernel and Pallas decode-path test files (junit XML in the pack)
 #   tests_moe  only the compiled router / MoE-block tests (top-k in the router's last program, persistent kernel)
 #   tests_fold  only the compiled tests of the split-partials fold (in-kernel combine, split rings)
 #   profile   device trace of the NVFP4 Pallas decode step at 100K, once per kernel-knob variant ($PROFILE_VARIANTS):
@@ -80,6 +81,9 @@ for p in $parts; do
              -p no:cacheprovider --junitxml="$work/tests_all.xml" tests/test_kernels_attention.py \
              tests/test_kernels_gemv.py tests/test_kernels_moe.py tests/test_pallas_path.py tests/test_kernels_sampling.py \
              tests/test_mosaic_nvfp4.py tests/test_kernels_prefill_attention.py tests/test_kernels_grouped_matmul.py ;;
+    tests_attention) part tests_attention ${TESTS_ATTENTION_LIMIT:-300} env FLINT_PALLAS_COMPILED=1 python3 -m pytest \
+             -q -rfE -p no:cacheprovider --junitxml="$work/tests_attention.xml" tests/test_kernels_attention.py \
+             tests/test_pallas_path.py ;;
     tests_moe) part tests_moe ${TESTS_MOE_LIMIT:-60} env FLINT_PALLAS_COMPILED=1 python3 -m pytest -q -p no:cacheprovider \
              tests/test_kernels_moe.py -k "route or moe_block or persistent" ;;
     tests_fold) part tests_fold 50 env FLINT_PALLAS_COMPILED=1 python3 -m pytest -q -p no:cacheprovider \
