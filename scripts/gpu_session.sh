@@ -136,8 +136,8 @@ done
 tar czf "$OUT/gpu_session.tgz" -C "$work" .
 cp "$work/summary.txt" "$OUT/"
 for f in profile/profile.md profile_bf16/profile.md decode/results.md decode8/results.md prefill/bench_prefill.md \
-         prefill_check/bench_prefill.md splits_fit_2k/profile.md splits_fit_8k/profile.md profile_fp8/profile.md profile_fp8_b8/profile.md decode_fp8/results.md \
-         ttft_fp8/bench_prefill.md; do
+         prefill_check/bench_prefill.md splits_fit_2k/profile.md splits_fit_8k/profile.md profile_fp8/profile.md \
+         profile_fp8_b8/profile.md decode_fp8/results.md ttft_fp8/bench_prefill.md; do
   [ -f "$work/$f" ] && cp "$work/$f" "$OUT/$(dirname "$f").md"
   [ -f "$work/$(dirname "$f")/results.json" ] && cp "$work/$(dirname "$f")/results.json" "$OUT/$(dirname "$f").json"
 done
