@@ -66,7 +66,8 @@ MIN_CHUNK = 256  # keys per split at least: short contexts use fewer splits (few
 # (profile_decode.py's at --context 8192) 64 instead of 128 on an H200's FP8 setting. The same chunks for every
 # length, so the same keys per program; the programs past them only ever stored neutral partials, which `combine`
 # then folded. False: splits by the program target alone (the form before; the profiler variant
-# `splits_past_max_len`).
+# `splits_past_max_len`). Measured on an H100 (run FJ, NVFP4 step on a 2,048-slot BF16 cache): step span 1.732 ->
+# 1.707-1.709 ms, the full-layer kernel 8.0 -> 7.7 us and its combine 2.3 -> 1.6 us.
 SPLITS_FIT_MAX_LEN = True
 # Fold the split partials inside the attention kernel, in the program that arrives last at a per-(sequence, KV
 # head) atomic counter (True), instead of launching `combine` (False, the default). Memory ordering: every thread's
