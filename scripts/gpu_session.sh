@@ -68,21 +68,24 @@ part() {  # part NAME SECONDS COMMAND...: run with a limit that never exceeds wh
   grep -v '^|' "$work/$name.log" | tail -30
 }
 
-splits_fit_8k() {  # the H200's FP8 setting at an 8,192-token cache: 64 full-layer splits against 128
-  part splits_fit_8k ${SPLITS_FIT_LIMIT:-150} python3 scripts/profile_decode.py --out "$work/splits_fit_8k" \
-    --weights nvfp4 --impls pallas --context 8192 --kv-dtype fp8 --variants base,splits_past_max_len,base
+compiled_tests() {  # compiled_tests NAME SECONDS PYTEST_ARGS...: kernel tests on the GPU, junit XML in the pack
+  local name=$1 want=$2; shift 2
+  part "$name" "$want" env FLINT_PALLAS_COMPILED=1 python3 -m pytest -q -rfE -p no:cacheprovider \
+    --junitxml="$work/$name.xml" "$@"
+}
+splits_fit_step() {  # splits_fit_step NAME CONTEXT KV_DTYPE: the NVFP4 step with and without SPLITS_FIT_MAX_LEN
+  part "$1" ${SPLITS_FIT_LIMIT:-150} python3 scripts/profile_decode.py --out "$work/$1" --weights nvfp4 \
+    --impls pallas --context "$2" --kv-dtype "$3" --variants base,splits_past_max_len,base
 }
 
 for p in $parts; do
   case $p in
     tests) part tests 100 env FLINT_PALLAS_COMPILED=1 python3 -m pytest -q -p no:cacheprovider \
              tests/test_kernels_attention.py tests/test_kernels_gemv.py tests/test_kernels_moe.py tests/test_mosaic_nvfp4.py ;;
-    tests_all) part tests_all ${TESTS_ALL_LIMIT:-540} env FLINT_PALLAS_COMPILED=1 python3 -m pytest -q -rfE \
-             -p no:cacheprovider --junitxml="$work/tests_all.xml" tests/test_kernels_attention.py \
+    tests_all) compiled_tests tests_all ${TESTS_ALL_LIMIT:-540} tests/test_kernels_attention.py \
              tests/test_kernels_gemv.py tests/test_kernels_moe.py tests/test_pallas_path.py tests/test_kernels_sampling.py \
              tests/test_mosaic_nvfp4.py tests/test_kernels_prefill_attention.py tests/test_kernels_grouped_matmul.py ;;
-    tests_attention) part tests_attention ${TESTS_ATTENTION_LIMIT:-300} env FLINT_PALLAS_COMPILED=1 python3 -m pytest \
-             -q -rfE -p no:cacheprovider --junitxml="$work/tests_attention.xml" tests/test_kernels_attention.py \
+    tests_attention) compiled_tests tests_attention ${TESTS_ATTENTION_LIMIT:-300} tests/test_kernels_attention.py \
              tests/test_pallas_path.py ;;
     tests_moe) part tests_moe ${TESTS_MOE_LIMIT:-60} env FLINT_PALLAS_COMPILED=1 python3 -m pytest -q -p no:cacheprovider \
              tests/test_kernels_moe.py -k "route or moe_block or persistent" ;;
@@ -123,12 +126,11 @@ for p in $parts; do
     ttft_fp8) part ttft_fp8 ${TTFT_FP8_LIMIT:-150} python3 scripts/bench_prefill.py --out "$work/ttft_fp8" \
              --weights nvfp4 --kv-dtype fp8 --skip moe,attn,jax,extras,prefill,routing --no-sweep \
              --budget-s $(( ${TTFT_FP8_LIMIT:-150} - 15 )) ;;
-    splits_fit) part splits_fit_tests 90 env FLINT_PALLAS_COMPILED=1 python3 -m pytest -q -p no:cacheprovider \
-             tests/test_kernels_attention.py -k "fit_the_cache or attention_block_decode_steps or decode_attention_full"
-             part splits_fit_2k ${SPLITS_FIT_LIMIT:-150} python3 scripts/profile_decode.py --out "$work/splits_fit_2k" \
-             --weights nvfp4 --impls pallas --context 2040 --kv-dtype bf16 --variants base,splits_past_max_len,base
-             grep -q H200 "$work/gpu.txt" && splits_fit_8k ;;
-    splits_fit_8k) splits_fit_8k ;;
+    splits_fit) compiled_tests splits_fit_tests 90 tests/test_kernels_attention.py \
+             -k "fit_the_cache or attention_block_decode_steps or decode_attention_full"
+             splits_fit_step splits_fit_2k 2040 bf16  # the engine's 2,048-slot cache: 8 full-layer splits, not 64
+             grep -q H200 "$work/gpu.txt" && splits_fit_step splits_fit_8k 8192 fp8 ;;  # 64, not 128
+    splits_fit_8k) splits_fit_step splits_fit_8k 8192 fp8 ;;
     *) echo "unknown part $p" | tee -a "$work/summary.txt" ;;
   esac
 done
