@@ -128,6 +128,8 @@ def routing_from_rows(ids: jax.Array, ws: jax.Array, k: int):
 
 
 def _slot_expert(ids, slot):
+    if isinstance(ids, router_mod.RankedTopK):  # only this slot's reduction
+        return ids.at_slot(slot)
     e = ids[0]
     for s in range(1, len(ids)):
         e = jnp.where(slot == s, ids[s], e)
