@@ -177,17 +177,20 @@ def test_ranked_top_k_selects_what_the_rounds_select(chunks, monkeypatch):
 @pytest.mark.parametrize("chunks", [1, 8])
 @pytest.mark.parametrize("m", [1, 3])
 def test_moe_block_with_ranked_top_k_keeps_the_output_bits(m, chunks, monkeypatch):
-    """The expert kernels' per-program top-k by rank (TOPK_RANKS, one slot's reduction per program) or by k rounds:
-    the same output bits (every token's top-k in the gate/up programs: TOPK_KERNEL_MIN_ROWS off)."""
+    """The expert kernels' per-program top-k by rank (TOPK_RANKS, one slot's reduction per program) or by k rounds,
+    the routing for the down kernel written before or after the weights (ROUTING_AFTER_WEIGHTS): the same output
+    bits (every token's top-k in the gate/up programs: TOPK_KERNEL_MIN_ROWS off)."""
     layer = layer_of("nvfp4")
     h = hidden(600 + m, m)
     monkeypatch.setattr(X, "TOPK_KERNEL_MIN_ROWS", None)
     outs = []
-    for ranks in (False, True):
+    for ranks, late in ((False, False), (True, False), (True, True)):
         monkeypatch.setattr(R, "TOPK_RANKS", ranks)
         monkeypatch.setattr(R, "TOPK_RANK_CHUNKS", chunks)
+        monkeypatch.setattr(X, "ROUTING_AFTER_WEIGHTS", late)
         outs.append(np.asarray(run_block(kernel_block, h, layer, CFG)))
     np.testing.assert_array_equal(outs[0], outs[1])
+    np.testing.assert_array_equal(outs[0], outs[2])
     assert_residual_close(outs[1], run_block(layers.mlp_block, h, layer, CFG), h)
 
 
