@@ -84,11 +84,6 @@ PERSISTENT = False
 # reads them, instead of every down program recomputing the top-k from the logits: down's chain loses 6 rounds of
 # reductions before its first weight load. The output bits are unchanged (the same rounds, in the same order).
 ROUTING_TO_DOWN = True
-# Where the program that writes that routing (token t's slot 0, block 0) does so: before its weights (the top-k
-# rounds' masks die there, not across the K loop) or, with ROUTING_AFTER_WEIGHTS, after them, so its k weight
-# reductions do not delay its first weight load (with router.TOPK_RANKS only one rank vector stays live). A knob so
-# the whole step can time both (profile_decode.py variant `topk_ranks_routing_late`).
-ROUTING_AFTER_WEIGHTS = False
 
 
 def _pick(e_or_n: int, k: int, kind: str, block) -> tuple[int, int, int, int, bool, bool]:
@@ -133,8 +128,6 @@ def routing_from_rows(ids: jax.Array, ws: jax.Array, k: int):
 
 
 def _slot_expert(ids, slot):
-    if isinstance(ids, router_mod.RankedTopK):  # only this slot's reduction
-        return ids.at_slot(slot)
     e = ids[0]
     for s in range(1, len(ids)):
         e = jnp.where(slot == s, ids[s], e)
@@ -162,15 +155,11 @@ def gate_up_tile(p, blk, token, xs, g_spec, gate, up, s_spec, sgate, sup, store,
     def _routed():
         t = p // k
         ids, ws = token(t)
-        def routing():
+        if store_routing is not None:  # before the weights: the top-k's masks die here, not after the K loop
             @pl.when((blk == 0) & (p == t * k))
             def _():
                 store_routing(t, ids, ws())
-        if store_routing is not None and not ROUTING_AFTER_WEIGHTS:
-            routing()
         run(g_spec, gate, up, t, _slot_expert(ids, p - t * k))
-        if store_routing is not None and ROUTING_AFTER_WEIGHTS:
-            routing()
 
     if s_spec is not None:
         @pl.when(p >= m * k)

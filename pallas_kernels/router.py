@@ -37,48 +37,6 @@ F32, BF16 = jnp.float32, jnp.bfloat16
 # (max, then min over the indices that hold it). The same ids and weights for any scores without NaN. A knob so the
 # whole step can time both (scripts/profile_decode.py variant `topk_two_reductions`).
 TOPK_ARGMAX = True
-# A token's top-k by rank instead of k rounds (one row of logits, the expert kernels' per-program path): rank[i] =
-# how many experts beat expert i (a higher score + bias, or the same at a lower index), from one all-pairs comparison
-# of the E values and one reduction; slot s's expert is the one of rank s, one more reduction, so a program that needs
-# only its own slot's expert (moe_experts.gate_up_tile) runs two reductions instead of k dependent ones. The same
-# total order as the rounds (ties to the lower index), so the same ids, and the weights from the same masked sums, so
-# the same bits. TOPK_RANK_CHUNKS > 1 compares the row against that many slices of itself in turn (a smaller [E,
-# E/chunks] tile at a time). Knobs so the whole step can time them (profile_decode.py variants `topk_ranks`,
-# `topk_ranks_chunk8`).
-TOPK_RANKS = False
-TOPK_RANK_CHUNKS = 1
-
-
-class RankedTopK:
-    """The k best of one row (sel [E]: score + bias) by rank. ids[s] / at_slot(slot) emit slot s's expert id where
-    they are called; hit(s) is the mask of that expert."""
-
-    def __init__(self, sel: jax.Array, k: int, chunks: int = 1):
-        e = sel.shape[0]
-        iota = jax.lax.broadcasted_iota(jnp.int32, (e,), 0)
-        parts = jnp.split(sel, chunks) if chunks > 1 else [sel]
-        width = e // len(parts)
-        rank = jnp.zeros((e,), jnp.int32)
-        for c, other in enumerate(parts):
-            j = jax.lax.broadcasted_iota(jnp.int32, (1, width), 1) + c * width
-            o = other[None, :]
-            beats = (o > sel[:, None]) | ((o == sel[:, None]) & (j < iota[:, None]))
-            rank = rank + jnp.sum(beats.astype(jnp.int32), axis=1)
-        self.rank, self.iota, self.k = rank, iota, k
-
-    def hit(self, slot) -> jax.Array:
-        return self.rank == slot
-
-    def at_slot(self, slot) -> jax.Array:
-        return jnp.sum(jnp.where(self.hit(slot), self.iota, 0))
-
-    def __len__(self) -> int:
-        return self.k
-
-    def __getitem__(self, s: int) -> jax.Array:
-        if not 0 <= s < self.k:
-            raise IndexError(s)
-        return self.at_slot(s)
 
 
 def _top_k_rounds(logits: jax.Array, bias: jax.Array, k: int, norm_topk_prob: bool, scaling: float,
@@ -100,9 +58,6 @@ def top_k_lazy(logits: jax.Array, bias: jax.Array, k: int, norm_topk_prob: bool,
     keep = (lambda v: v) if axis is None else (lambda v: v[:, None])  # a per-row value against its row
     scores = logits if scores_given else 1.0 / (1.0 + jnp.exp(-logits))
     sel = scores + bias
-    if TOPK_RANKS and axis is None:
-        ranked = RankedTopK(sel, k, TOPK_RANK_CHUNKS)
-        return ranked, lambda: _slot_weights([ranked.hit(s) for s in range(k)], scores, axis, norm_topk_prob, scaling)
     iota = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
     ids, hits = [], []
     for _ in range(k):
@@ -116,19 +71,15 @@ def top_k_lazy(logits: jax.Array, bias: jax.Array, k: int, norm_topk_prob: bool,
         hits.append(hit)
         sel = jnp.where(hit, -jnp.inf, sel)
 
-    return ids, lambda: _slot_weights(hits, scores, axis, norm_topk_prob, scaling)
-
-
-def _slot_weights(hits, scores, axis, norm_topk_prob: bool, scaling: float):
-    """The routing weights of the selected experts (one mask per slot): their unbiased scores, normalised over the
-    k and scaled (layers.route)."""
-    ws = [jnp.sum(jnp.where(hit, scores, 0.0), axis=axis) for hit in hits]
-    if norm_topk_prob:
-        total = ws[0]
-        for w in ws[1:]:
-            total = total + w
-        ws = [w / total for w in ws]
-    return [w * scaling for w in ws]
+    def weights():
+        ws = [jnp.sum(jnp.where(hit, scores, 0.0), axis=axis) for hit in hits]
+        if norm_topk_prob:
+            total = ws[0]
+            for w in ws[1:]:
+                total = total + w
+            ws = [w / total for w in ws]
+        return [w * scaling for w in ws]
+    return ids, weights
 
 
 def select_experts(logits: jax.Array, bias: jax.Array, k: int, norm_topk_prob: bool, scaling: float):

@@ -6,7 +6,7 @@
 #   tests_all every kernel test file compiled on the GPU (attention, GEMV, MoE, the Pallas path, sampling, Mosaic
 #             NVFP4, prefill attention, grouped GEMMs; ~330 cases; junit XML in the pack)
 #   tests_attention  the compiled attention-kernel and Pallas decode-path test files (junit XML in the pack)
-#   tests_moe  only the compiled router / MoE-block tests (top-k in the router's last program, by rank, persistent kernel)
+#   tests_moe  only the compiled router / MoE-block tests (top-k in the router's last program, persistent kernel)
 #   tests_fold  only the compiled tests of the split-partials fold (in-kernel combine, split rings)
 #   profile   device trace of the NVFP4 Pallas decode step at 100K, once per kernel-knob variant ($PROFILE_VARIANTS):
 #             per-kernel time inside the whole step (scripts/profile_decode.py)
@@ -88,7 +88,7 @@ for p in $parts; do
     tests_attention) compiled_tests tests_attention ${TESTS_ATTENTION_LIMIT:-300} tests/test_kernels_attention.py \
              tests/test_pallas_path.py ;;
     tests_moe) part tests_moe ${TESTS_MOE_LIMIT:-60} env FLINT_PALLAS_COMPILED=1 python3 -m pytest -q -p no:cacheprovider \
-             tests/test_kernels_moe.py -k "route or moe_block or persistent or ranked" ;;
+             tests/test_kernels_moe.py -k "route or moe_block or persistent" ;;
     tests_fold) part tests_fold 50 env FLINT_PALLAS_COMPILED=1 python3 -m pytest -q -p no:cacheprovider \
              tests/test_kernels_attention.py -k "combine or split_ring or ring_split" ;;
     profile) part profile ${PROFILE_LIMIT:-250} python3 scripts/profile_decode.py --out "$work/profile" --weights nvfp4 \

@@ -150,9 +150,6 @@ def _variants():
         "down_bn16_w8": [(ME, "DOWN_BLOCK", (16, 512, 8, 1))],
         "down_recomputes_topk": [(ME, "ROUTING_TO_DOWN", False)],
         "topk_two_reductions": [(RT, "TOPK_ARGMAX", False)],  # max then lowest index per round (before run BR)
-        "topk_ranks": [(RT, "TOPK_RANKS", True)],  # per-program top-k by rank: two reductions, not six rounds
-        "topk_ranks_chunk8": [(RT, "TOPK_RANKS", True), (RT, "TOPK_RANK_CHUNKS", 8)],
-        "topk_ranks_routing_late": [(RT, "TOPK_RANKS", True), (ME, "ROUTING_AFTER_WEIGHTS", True)],
         "norm_before_loads": [(WT, "NORM_AFTER_LOADS", False)],  # the norm prologue first (before run BS)
         "late_epilogue_loads": [(WT, "EARLY_EPILOGUE_LOADS", False)],  # scales and residual after the K loop
         # BF16 weights with the blocks from before run BB's sweep

@@ -144,56 +144,6 @@ def test_top_k_experts_several_tokens_per_program(rows, argmax, monkeypatch):
         R.top_k_experts(logits, bias, CFG, interpret=INTERPRET, rows=3)
 
 
-@pytest.mark.parametrize("chunks", [1, 4, 16])
-def test_ranked_top_k_selects_what_the_rounds_select(chunks, monkeypatch):
-    """router.RankedTopK (TOPK_RANKS: slot s's expert is the one of rank s) gives every slot the id the k rounds of
-    argmax give, ties to the lower index (repeated values, a tie at the top, an all-tied row, -inf entries), and
-    weights of the same bits; `chunks` slices of the row compared in turn give the same ranks."""
-    E, k = 64, 6
-    rows = jax.random.normal(jax.random.key(chunks), (6, E), F32)
-    rows = rows.at[1].set(0.25)  # all tied
-    rows = rows.at[2, :5].set(rows[2, 40]).at[2, 40].set(9.0).at[2, 41].set(9.0)  # ties at the top and below
-    rows = rows.at[3, ::3].set(-jnp.inf)
-    rows = rows.at[4].set(jnp.round(rows[4] * 2) / 2)  # many repeated values
-    bias = jnp.zeros((E,), F32).at[7].set(0.5).at[8].set(0.5)
-    for row in rows:
-        monkeypatch.setattr(R, "TOPK_RANKS", False)
-        ids, ws = R.top_k_lazy(row, bias, k, True, 2.5)
-        ids, ws = [int(i) for i in ids], np.asarray(ws())
-        monkeypatch.setattr(R, "TOPK_RANKS", True)
-        monkeypatch.setattr(R, "TOPK_RANK_CHUNKS", chunks)
-        ranked, ranked_ws = R.top_k_lazy(row, bias, k, True, 2.5)
-        assert isinstance(ranked, R.RankedTopK) and len(ranked) == k
-        assert [int(ranked[s]) for s in range(k)] == ids
-        assert [int(ranked.at_slot(jnp.int32(s))) for s in range(k)] == ids
-        np.testing.assert_array_equal(np.asarray(ranked_ws()), ws)
-        sel = np.asarray(1.0 / (1.0 + jnp.exp(-row)) + bias)
-        order = sorted(range(E), key=lambda i: (-sel[i], i))  # the reference order, ties to the lower index
-        assert ids == order[:k]
-        with pytest.raises(IndexError):
-            ranked[k]
-
-
-@pytest.mark.parametrize("chunks", [1, 8])
-@pytest.mark.parametrize("m", [1, 3])
-def test_moe_block_with_ranked_top_k_keeps_the_output_bits(m, chunks, monkeypatch):
-    """The expert kernels' per-program top-k by rank (TOPK_RANKS, one slot's reduction per program) or by k rounds,
-    the routing for the down kernel written before or after the weights (ROUTING_AFTER_WEIGHTS): the same output
-    bits (every token's top-k in the gate/up programs: TOPK_KERNEL_MIN_ROWS off)."""
-    layer = layer_of("nvfp4")
-    h = hidden(600 + m, m)
-    monkeypatch.setattr(X, "TOPK_KERNEL_MIN_ROWS", None)
-    outs = []
-    for ranks, late in ((False, False), (True, False), (True, True)):
-        monkeypatch.setattr(R, "TOPK_RANKS", ranks)
-        monkeypatch.setattr(R, "TOPK_RANK_CHUNKS", chunks)
-        monkeypatch.setattr(X, "ROUTING_AFTER_WEIGHTS", late)
-        outs.append(np.asarray(run_block(kernel_block, h, layer, CFG)))
-    np.testing.assert_array_equal(outs[0], outs[1])
-    np.testing.assert_array_equal(outs[0], outs[2])
-    assert_residual_close(outs[1], run_block(layers.mlp_block, h, layer, CFG), h)
-
-
 @pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
 @pytest.mark.parametrize("m", [1, 3, 8])
 def test_moe_block_matches_mlp_block(kind, m):
