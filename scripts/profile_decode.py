@@ -146,6 +146,13 @@ def _variants():
         "gu_bn16": [(ME, "GATE_UP_BLOCK", (16, 1024, 4, 3))],
         "gu_bn16_w8": [(ME, "GATE_UP_BLOCK", (16, 1024, 8, 3))],
         "gu_bk2048": [(ME, "GATE_UP_BLOCK", (8, 2048, 4, 3))],
+        # batch 1: Flint's gate/up runs 7 x 128 programs of 8 rows; at the default's 94 registers a thread five fit an
+        # SM (660 at once on 132 SMs), so ~1.4 waves. 512-value K tiles take 72 registers (seven an SM: one wave, but
+        # four K steps); 16 rows of 512 values one wave of 448 programs; 4 rows of 1024 values 56 registers, 1,792
+        # programs (offline SASS, scripts/kernel_sass.py --moe)
+        "gu_bk512": [(ME, "GATE_UP_BLOCK", (8, 512, 4, 3))],
+        "gu_bn4": [(ME, "GATE_UP_BLOCK", (4, 1024, 4, 3))],
+        "gu_bn16_bk512": [(ME, "GATE_UP_BLOCK", (16, 512, 4, 3))],
         "down_bn16": [(ME, "DOWN_BLOCK", (16, 512, 4, 1))],
         "down_bn16_w8": [(ME, "DOWN_BLOCK", (16, 512, 8, 1))],
         "down_recomputes_topk": [(ME, "ROUTING_TO_DOWN", False)],
