@@ -148,7 +148,7 @@ def _variants():
         "gu_bk2048": [(ME, "GATE_UP_BLOCK", (8, 2048, 4, 3))],
         # batch 1: Flint's gate/up runs 7 x 128 programs of 8 rows; at the default's 94 registers a thread five fit an
         # SM (660 at once on 132 SMs), so ~1.4 waves. 512-value K tiles take 72 registers (seven an SM: one wave, but
-        # four K steps); 16 rows of 512 values one wave of 448 programs; 4 rows of 1024 values 56 registers, 1,792
+        # four K steps); 16 rows of 512 values 120 registers, one wave of 448 programs; 4 rows of 1024 values 56 registers, 1,792
         # programs (offline SASS, scripts/kernel_sass.py --moe). Run FL (H100, 100K): gate/up 8.8 us per layer by
         # default, 9.2 / 8.9 / 10.1 us in these: one wave is not faster (docs/BENCHMARKS.md)
         "gu_bk512": [(ME, "GATE_UP_BLOCK", (8, 512, 4, 3))],
