@@ -54,13 +54,12 @@ def _variants():
     from flint_jax import state as ST
     FP8_AS_EP = [(DA, "FP8_HALF_SCORES", False), (DA, "FP8_HALF_VALUES", False), (DA, "FP8_BLOCK_K", 64),
                  (ST, "FP8_V_TRANSPOSED", False)]
-    return {
+    variants = {
         "base": [],
         "prefetch": [(G, "TABLE_PREFETCH", True), (ME, "GATE_UP_BLOCK", (8, 512, 4, 3, False, True))],
         "prefetch_gemv": [(G, "TABLE_PREFETCH", True)],  # QKV / O / dense only (run A: gate/up got slower)
         "ring_splits16": [(DA, "RING_SPLITS", 16)],  # one 64-key block per split, 9 of 16 splits hold keys
         "bk1024": [(G, "TABLE_BK", 1024), (ME, "GATE_UP_BLOCK", (8, 1024, 4, 3))],  # now the table for K < 4096
-        "moe_bn16": [(ME, "GATE_UP_BLOCK", (16, 512, 4, 3)), (ME, "DOWN_BLOCK", (16, 512, 4, 1))],
         "attn_bk128": [(DA, "BLOCK_K", 128)],
         "attn_warps8": [(DA, "NUM_WARPS", 8), (DA, "RING_NUM_WARPS", 8)],
         # full layers only (the rings keep RING_NUM_WARPS): fewer warps per program, no cross-warp reductions in a
@@ -148,9 +147,9 @@ def _variants():
         "gu_bk2048": [(ME, "GATE_UP_BLOCK", (8, 2048, 4, 3))],
         # batch 1: Flint's gate/up runs 7 x 128 programs of 8 rows; at the default's 94 registers a thread five fit an
         # SM (660 at once on 132 SMs), so ~1.4 waves. 512-value K tiles take 72 registers (seven an SM: one wave, but
-        # four K steps); 16 rows of 512 values 120 registers, one wave of 448 programs; 4 rows of 1024 values 56 registers, 1,792
-        # programs (offline SASS, scripts/kernel_sass.py --moe). Run FL (H100, 100K): gate/up 8.8 us per layer by
-        # default, 9.2 / 8.9 / 10.1 us in these: one wave is not faster (docs/BENCHMARKS.md)
+        # four K steps); 16 rows of 512 values 120 registers, one wave of 448 programs; 4 rows of 1024 values 56
+        # registers, 1,792 programs (offline SASS, scripts/kernel_sass.py --moe). Run FL (H100, 100K): gate/up 8.8 us
+        # per layer by default, 9.2 / 8.9 / 10.1 us in these: one wave is not faster (docs/BENCHMARKS.md)
         "gu_bk512": [(ME, "GATE_UP_BLOCK", (8, 512, 4, 3))],
         "gu_bn4": [(ME, "GATE_UP_BLOCK", (4, 1024, 4, 3))],
         "gu_bn16_bk512": [(ME, "GATE_UP_BLOCK", (16, 512, 4, 3))],
@@ -186,6 +185,8 @@ def _variants():
         # diagnostic: wrong results; what the barriers cost
         "persistent_no_barrier": [(ME, "PERSISTENT", True), (MP, "BARRIERS", False)],
     }
+    variants["moe_bn16"] = variants["gu_bn16_bk512"] + variants["down_bn16"]  # both expert kernels in 16-row blocks
+    return variants
 
 
 def hot_weights(params, cfg: FlintConfig):
