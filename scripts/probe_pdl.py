@@ -19,6 +19,17 @@ slice of the previous layer's output. Variants (same arithmetic, same bytes):
   mosaic_pdl      Mosaic GPU, weight TMA issued, then griddepcontrol_wait, then the dependent input
   mosaic_pdl_late Mosaic GPU with PDL but the weight load after the wait (the overlap only of launch, not of loads)
   mixed           layers alternate triton and mosaic_pdl (question 3)
+  persistent      the whole chain as ONE Mosaic GPU kernel of `programs` resident programs (one per SM): layer l+1's
+                  weight tile is loaded by TMA (double-buffered in shared memory) before the program waits for
+                  every program of layer l to have stored its output (a global semaphore per layer: each program
+                  adds 1 after its store, waiters poll it without decrementing). The wait has the all-to-all shape
+                  of a GEMV chain's dependency (each output needs the whole previous vector), though the arithmetic
+                  reads only its own slice. This is docs/DECODE_PATH.md's "dataflow waits with the weights already
+                  loaded" (tried in the Triton lowering in run BW, slower) in Mosaic GPU
+  persistent_late the same, each layer's weight load issued only after its wait (no prefetch): the wait's own cost
+  persistent_fence
+                  persistent with a gpu-scope acq_rel fence before each signal (the ordering a real chain needs for
+                  its plain stores; the TMA store is awaited before the signal in every variant)
   mosaic_pdl_attr, mosaic_pdl_late_attr
                   mosaic_pdl / mosaic_pdl_late with `uses_pdl = true` added to the custom call's backend config: XLA's
                   FFI custom-call thunk reads that attribute (when --xla_gpu_enable_pdl is on) to give the call a
@@ -58,7 +69,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from flint_jax import device_trace, pallas_path  # noqa: E402
 
 TILE_ROWS, TILE_COLS, OUT_PER_PROGRAM = 128, 256, 128
-VARIANTS = ("triton", "mosaic", "mosaic_pdl", "mosaic_pdl_late", "mixed", "mosaic_pdl_attr", "mosaic_pdl_late_attr")
+VARIANTS = ("triton", "mosaic", "mosaic_pdl", "mosaic_pdl_late", "mixed", "mosaic_pdl_attr", "mosaic_pdl_late_attr",
+            "persistent", "persistent_late", "persistent_fence")
 
 
 @contextlib.contextmanager
@@ -116,6 +128,75 @@ def mosaic_layer(programs: int, pdl: bool, weights_before_wait: bool):
     return kernel
 
 
+def persistent_chain(programs: int, layers: int, prefetch: bool, fence: bool):
+    """All `layers` layers as one Mosaic GPU kernel (variant `persistent*`): out[l, i] = x_l[i] / 2 + 1e-6 * sum(tile).
+
+    Semaphores: pl.get_global gives `layers` counters that persist across calls and must be zero again at exit.
+    Program p adds 1 to sems[l] after storing layer l; a program waits for sems[l - 1] == programs (no decrement)
+    before reading layer l - 1's output. Program 0 resets them: once it has seen sems[l] full, every program has
+    passed its wait on sems[l - 1] (it signalled sems[l] after that wait), so it takes sems[l - 1] back to 0 (a
+    decrementing wait), and sems[layers - 1] at the end. Needs every program resident at once (one per SM)."""
+    import jax.experimental.mosaic.gpu as mgpu
+
+    @plgpu.inline_mgpu()
+    def acq_rel_fence(ctx):
+        mgpu.utils.inline_ptx("fence.acq_rel.gpu;", has_side_effects=True)
+
+    @functools.partial(
+        plgpu.kernel,
+        out_type=jax.ShapeDtypeStruct((layers, programs * OUT_PER_PROGRAM), jnp.float32),
+        grid=(programs,), grid_names=("i",),
+        scratch_types=[plgpu.SMEM((2, TILE_ROWS, TILE_COLS), jnp.bfloat16),
+                       plgpu.SMEM((OUT_PER_PROGRAM,), jnp.float32), plgpu.SMEM((OUT_PER_PROGRAM,), jnp.float32),
+                       plgpu.Barrier(num_arrivals=1, num_barriers=2), plgpu.Barrier(num_arrivals=1)])
+    def kernel(*refs):
+        x_gmem, ws = refs[0], refs[1:1 + layers]
+        o_gmem, w_smem, x_smem, o_smem, w_ready, x_ready = refs[1 + layers:]
+        sems = pl.get_global(plgpu.SemaphoreType.REGULAR((layers,)))
+        i = lax.axis_index("i")
+        mine = pl.ds(i * OUT_PER_PROGRAM, OUT_PER_PROGRAM)
+
+        def load_weights(l):
+            plgpu.copy_gmem_to_smem(ws[l].at[pl.ds(i * TILE_ROWS, TILE_ROWS)], w_smem.at[l % 2], w_ready.at[l % 2])
+
+        if prefetch:
+            load_weights(0)
+        for l in range(layers):
+            if prefetch and l + 1 < layers:
+                load_weights(l + 1)  # its slot was last read by layer l - 1, finished above
+            if l > 0:
+                plgpu.semaphore_wait(sems.at[l - 1], programs, decrement=False, memory_scope="gpu")
+            if l > 1:
+                @pl.when(i == 0)
+                def _():
+                    plgpu.semaphore_wait(sems.at[l - 2], programs, decrement=True, memory_scope="gpu")
+            if not prefetch:
+                load_weights(l)
+            src = x_gmem if l == 0 else o_gmem.at[l - 1]
+            plgpu.copy_gmem_to_smem(src.at[mine], x_smem, x_ready)
+            plgpu.barrier_wait(w_ready.at[l % 2])
+            total = jnp.sum(w_smem[l % 2].astype(jnp.float32))
+            plgpu.barrier_wait(x_ready)
+            o_smem[...] = x_smem[...] * 0.5 + total * 1e-6
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[l, mine])
+            plgpu.wait_smem_to_gmem(0)
+            if fence:
+                acq_rel_fence()
+            pl.semaphore_signal(sems.at[l])
+
+        @pl.when(i == 0)
+        def _():  # sems[layers - 1] full: every program is past its last wait, on sems[layers - 2]
+            plgpu.semaphore_wait(sems.at[layers - 1], programs, decrement=False, memory_scope="gpu")
+            for l in range(max(0, layers - 2), layers):
+                plgpu.semaphore_wait(sems.at[l], programs, decrement=True, memory_scope="gpu")
+
+    def run(x, weights):
+        return kernel(x, *weights)[-1]
+
+    return run
+
+
 def triton_layer(programs: int):
     """The same layer in the Pallas Triton lowering."""
 
@@ -151,7 +232,11 @@ def chain(variant: str, programs: int, layers: int):
         "mosaic_pdl_late_attr": [mosaic_layer(programs, True, False)] * layers,
         "mixed": [triton_layer(programs) if l % 2 == 0 else mosaic_layer(programs, True, True) for l in range(layers)],
         "reference": [reference_layer] * layers,
-    }[variant]
+    }.get(variant)
+    if variant.startswith("persistent"):
+        whole = persistent_chain(programs, layers, prefetch=variant != "persistent_late",
+                                 fence=variant == "persistent_fence")
+        return jax.jit(whole)
 
     @jax.jit
     def run(x, weights):
