@@ -320,6 +320,7 @@ def main(argv=None) -> int:
                 text = chain(v, programs, args.layers).trace(x_shape, w_shapes).lower(
                     lowering_platforms=("cuda",)).as_text()
             results["variants"][v] = {"lowered_chars": len(text), "mosaic_calls": text.count("mosaic_gpu"),
+                                      "kernels": text.count("stablehlo.custom_call"),
                                       "uses_pdl": text.count("mosaic_gpu.uses_pdl"),
                                       "uses_pdl_config": text.count("uses_pdl = true")}
             print(f"[probe_pdl] {v}: lowered ({len(text)} chars, uses_pdl x{text.count('mosaic_gpu.uses_pdl')})",

@@ -245,12 +245,14 @@ def test_bench_prefill_tiny_kernel_sections(tmp_path):
 def test_mosaic_gpu_probes_lower_for_cuda(tmp_path):
     """The Mosaic GPU probes lower for CUDA on the CPU (their kernels run only on the device machine): the PDL
     variants carry the launch attribute, the others do not, and only the `_attr` variants put `uses_pdl` in the
-    custom call's backend config (for XLA's programmatic graph edges)."""
+    custom call's backend config (for XLA's programmatic graph edges); the persistent variants are one kernel."""
     run_script("probe_pdl.py", "--out", str(tmp_path / "pdl"), "--lower-only", "--layers", "2")
     pdl = json.loads((tmp_path / "pdl" / "probe_pdl.json").read_text())["variants"]
     assert pdl["mosaic"]["mosaic_calls"] > 0 and pdl["mosaic"]["uses_pdl"] == 0
     assert pdl["mosaic_pdl"]["uses_pdl"] == 2 and pdl["triton"]["mosaic_calls"] == 0
     assert pdl["mosaic_pdl"]["uses_pdl_config"] == 0 and pdl["mosaic_pdl_attr"]["uses_pdl_config"] == 2
+    assert pdl["mosaic"]["kernels"] == 2  # one kernel per layer
+    assert all(pdl[v]["kernels"] == 1 for v in ("persistent", "persistent_late", "persistent_fence"))  # one chain
     run_script("probe_mosaic_gemv.py", "--out", str(tmp_path / "gemv"), "--lower-only", "--shapes", "o_proj",
                "--splits", "2", "--weights", "bf16,nvfp4")
     gemv = json.loads((tmp_path / "gemv" / "probe_mosaic_gemv.json").read_text())
