@@ -30,6 +30,10 @@ slice of the previous layer's output. Variants (same arithmetic, same bytes):
   persistent_fence
                   persistent with a gpu-scope acq_rel fence before each signal (the ordering a real chain needs for
                   its plain stores; the TMA store is awaited before the signal in every variant)
+  persistent_gpu  persistent with the GPU-scope signal (no system-scope fence; see persistent_chain)
+  barrier_only, barrier_only_gpu
+                  the persistent kernel without weights (out = x / 2 per layer): its synchronisation chain alone,
+                  with either signal
   mosaic_pdl_attr, mosaic_pdl_late_attr
                   mosaic_pdl / mosaic_pdl_late with `uses_pdl = true` added to the custom call's backend config: XLA's
                   FFI custom-call thunk reads that attribute (when --xla_gpu_enable_pdl is on) to give the call a
@@ -70,7 +74,7 @@ from flint_jax import device_trace, pallas_path  # noqa: E402
 
 TILE_ROWS, TILE_COLS, OUT_PER_PROGRAM = 128, 256, 128
 VARIANTS = ("triton", "mosaic", "mosaic_pdl", "mosaic_pdl_late", "mixed", "mosaic_pdl_attr", "mosaic_pdl_late_attr",
-            "persistent", "persistent_late", "persistent_fence")
+            "persistent", "persistent_late", "persistent_fence", "persistent_gpu", "barrier_only", "barrier_only_gpu")
 
 
 @contextlib.contextmanager
@@ -128,19 +132,34 @@ def mosaic_layer(programs: int, pdl: bool, weights_before_wait: bool):
     return kernel
 
 
-def persistent_chain(programs: int, layers: int, prefetch: bool, fence: bool):
+def persistent_chain(programs: int, layers: int, prefetch: bool, fence: bool, signal: str = "pallas",
+                     weights: bool = True):
     """All `layers` layers as one Mosaic GPU kernel (variant `persistent*`): out[l, i] = x_l[i] / 2 + 1e-6 * sum(tile).
 
     Semaphores: pl.get_global gives `layers` counters that persist across calls and must be zero again at exit.
     Program p adds 1 to sems[l] after storing layer l; a program waits for sems[l - 1] == programs (no decrement)
     before reading layer l - 1's output. Program 0 resets them: once it has seen sems[l] full, every program has
     passed its wait on sems[l - 1] (it signalled sems[l] after that wait), so it takes sems[l - 1] back to 0 (a
-    decrementing wait), and sems[layers - 1] at the end. Needs every program resident at once (one per SM)."""
+    decrementing wait), and sems[layers - 1] at the end. Needs every program resident at once (one per SM).
+    signal="pallas": pl.semaphore_signal (a relaxed system-scope add, then a system-scope release fence);
+    "gpu": a warpgroup barrier, then one thread's GPU-scope acq_rel fence and relaxed add. weights=False: no weight
+    tiles at all, out = x / 2 (the synchronisation chain alone)."""
     import jax.experimental.mosaic.gpu as mgpu
+    from jax._src.lib.mlir import ir
 
     @plgpu.inline_mgpu()
     def acq_rel_fence(ctx):
         mgpu.utils.inline_ptx("fence.acq_rel.gpu;", has_side_effects=True)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+    def gpu_signal(ctx, sem):
+        mgpu.utils.warpgroup_barrier()
+        ptr = mgpu.utils.memref_ptr(sem)
+        one = mgpu.utils.c(1, ir.IntegerType.get_signless(32))
+        first = mgpu.utils.single_thread_predicate(mgpu.utils.ThreadSubset.WARPGROUP)
+        mgpu.utils.inline_ptx("fence.acq_rel.gpu;", predicate=first, has_side_effects=True)
+        mgpu.utils.inline_ptx("red.relaxed.gpu.global.add.u32 [$0], $1;", ptr, one, predicate=first,
+                              has_side_effects=True)
 
     @functools.partial(
         plgpu.kernel,
@@ -152,11 +171,13 @@ def persistent_chain(programs: int, layers: int, prefetch: bool, fence: bool):
     def kernel(*refs):
         x_gmem, ws = refs[0], refs[1:1 + layers]
         o_gmem, w_smem, x_smem, o_smem, w_ready, x_ready = refs[1 + layers:]
-        sems = pl.get_global(plgpu.SemaphoreType.REGULAR((layers,)))
+        sems = [pl.get_global(plgpu.SemaphoreType.REGULAR) for _ in range(layers)]
         i = lax.axis_index("i")
         mine = pl.ds(i * OUT_PER_PROGRAM, OUT_PER_PROGRAM)
 
         def load_weights(l):
+            if not weights:
+                return
             plgpu.copy_gmem_to_smem(ws[l].at[pl.ds(i * TILE_ROWS, TILE_ROWS)], w_smem.at[l % 2], w_ready.at[l % 2])
 
         if prefetch:
@@ -165,31 +186,35 @@ def persistent_chain(programs: int, layers: int, prefetch: bool, fence: bool):
             if prefetch and l + 1 < layers:
                 load_weights(l + 1)  # its slot was last read by layer l - 1, finished above
             if l > 0:
-                plgpu.semaphore_wait(sems.at[l - 1], programs, decrement=False, memory_scope="gpu")
+                plgpu.semaphore_wait(sems[l - 1], programs, decrement=False, memory_scope="gpu")
             if l > 1:
                 @pl.when(i == 0)
                 def _():
-                    plgpu.semaphore_wait(sems.at[l - 2], programs, decrement=True, memory_scope="gpu")
+                    plgpu.semaphore_wait(sems[l - 2], programs, decrement=True, memory_scope="gpu")
             if not prefetch:
                 load_weights(l)
             src = x_gmem if l == 0 else o_gmem.at[l - 1]
             plgpu.copy_gmem_to_smem(src.at[mine], x_smem, x_ready)
-            plgpu.barrier_wait(w_ready.at[l % 2])
-            total = jnp.sum(w_smem[l % 2].astype(jnp.float32))
+            if weights:
+                plgpu.barrier_wait(w_ready.at[l % 2])
+                total = jnp.sum(w_smem[l % 2].astype(jnp.float32))
             plgpu.barrier_wait(x_ready)
-            o_smem[...] = x_smem[...] * 0.5 + total * 1e-6
+            o_smem[...] = x_smem[...] * 0.5 + total * 1e-6 if weights else x_smem[...] * 0.5
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[l, mine])
             plgpu.wait_smem_to_gmem(0)
             if fence:
                 acq_rel_fence()
-            pl.semaphore_signal(sems.at[l])
+            if signal == "gpu":
+                gpu_signal(sems[l])
+            else:
+                pl.semaphore_signal(sems[l])
 
         @pl.when(i == 0)
         def _():  # sems[layers - 1] full: every program is past its last wait, on sems[layers - 2]
-            plgpu.semaphore_wait(sems.at[layers - 1], programs, decrement=False, memory_scope="gpu")
+            plgpu.semaphore_wait(sems[layers - 1], programs, decrement=False, memory_scope="gpu")
             for l in range(max(0, layers - 2), layers):
-                plgpu.semaphore_wait(sems.at[l], programs, decrement=True, memory_scope="gpu")
+                plgpu.semaphore_wait(sems[l], programs, decrement=True, memory_scope="gpu")
 
     def run(x, weights):
         return kernel(x, *weights)[-1]
@@ -233,10 +258,13 @@ def chain(variant: str, programs: int, layers: int):
         "mixed": [triton_layer(programs) if l % 2 == 0 else mosaic_layer(programs, True, True) for l in range(layers)],
         "reference": [reference_layer] * layers,
     }.get(variant)
-    if variant.startswith("persistent"):
+    if variant.startswith(("persistent", "barrier_only")):
         whole = persistent_chain(programs, layers, prefetch=variant != "persistent_late",
-                                 fence=variant == "persistent_fence")
+                                 fence=variant == "persistent_fence", signal="gpu" if variant.endswith("_gpu") else "pallas",
+                                 weights=not variant.startswith("barrier_only"))
         return jax.jit(whole)
+    if variant == "reference_halving":
+        return jax.jit(lambda x, weights: x * 0.5 ** layers)
 
     @jax.jit
     def run(x, weights):
@@ -336,7 +364,8 @@ def main(argv=None) -> int:
     nbytes = args.layers * rows * TILE_COLS * 2
     for v in variants:
         with uses_pdl_attribute(v.endswith("_attr")):
-            entry = measure(v, programs, args, x0, weights, expected, nbytes)
+            want = np.asarray(x0) * 0.5 ** args.layers if v.startswith("barrier_only") else expected
+            entry = measure(v, programs, args, x0, weights, want, nbytes)
         results["variants"][v] = entry
         json.dump(results, open(os.path.join(args.out, "probe_pdl.json"), "w"), indent=1)
     json.dump(results, open(os.path.join(args.out, "probe_pdl.json"), "w"), indent=1)
