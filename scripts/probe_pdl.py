@@ -34,6 +34,9 @@ slice of the previous layer's output. Variants (same arithmetic, same bytes):
   barrier_only, barrier_only_gpu
                   the persistent kernel without weights (out = x / 2 per layer): its synchronisation chain alone,
                   with either signal
+  persistent_stacked, persistent_stacked_gpu
+                  persistent / persistent_gpu with the 49 weights passed as one stacked array (one TMA descriptor
+                  for all layers; the chain's program receives the stacked array, built once outside it)
   mosaic_pdl_attr, mosaic_pdl_late_attr
                   mosaic_pdl / mosaic_pdl_late with `uses_pdl = true` added to the custom call's backend config: XLA's
                   FFI custom-call thunk reads that attribute (when --xla_gpu_enable_pdl is on) to give the call a
@@ -74,7 +77,8 @@ from flint_jax import device_trace, pallas_path  # noqa: E402
 
 TILE_ROWS, TILE_COLS, OUT_PER_PROGRAM = 128, 256, 128
 VARIANTS = ("triton", "mosaic", "mosaic_pdl", "mosaic_pdl_late", "mixed", "mosaic_pdl_attr", "mosaic_pdl_late_attr",
-            "persistent", "persistent_late", "persistent_fence", "persistent_gpu", "barrier_only", "barrier_only_gpu")
+            "persistent", "persistent_late", "persistent_fence", "persistent_gpu", "barrier_only", "barrier_only_gpu",
+            "persistent_stacked", "persistent_stacked_gpu")
 
 
 @contextlib.contextmanager
@@ -133,7 +137,7 @@ def mosaic_layer(programs: int, pdl: bool, weights_before_wait: bool):
 
 
 def persistent_chain(programs: int, layers: int, prefetch: bool, fence: bool, signal: str = "pallas",
-                     weights: bool = True):
+                     weights: bool = True, stacked: bool = False):
     """All `layers` layers as one Mosaic GPU kernel (variant `persistent*`): out[l, i] = x_l[i] / 2 + 1e-6 * sum(tile).
 
     Semaphores: pl.get_global gives `layers` counters that persist across calls and must be zero again at exit.
@@ -143,7 +147,8 @@ def persistent_chain(programs: int, layers: int, prefetch: bool, fence: bool, si
     decrementing wait), and sems[layers - 1] at the end. Needs every program resident at once (one per SM).
     signal="pallas": pl.semaphore_signal (a relaxed system-scope add, then a system-scope release fence);
     "gpu": a warpgroup barrier, then one thread's GPU-scope acq_rel fence and relaxed add. weights=False: no weight
-    tiles at all, out = x / 2 (the synchronisation chain alone)."""
+    tiles at all, out = x / 2 (the synchronisation chain alone). stacked: the layers' weights come as one
+    [layers * rows, cols] array (one TMA descriptor instead of one per layer)."""
     import jax.experimental.mosaic.gpu as mgpu
     from jax._src.lib.mlir import ir
 
@@ -169,8 +174,9 @@ def persistent_chain(programs: int, layers: int, prefetch: bool, fence: bool, si
                        plgpu.SMEM((OUT_PER_PROGRAM,), jnp.float32), plgpu.SMEM((OUT_PER_PROGRAM,), jnp.float32),
                        plgpu.Barrier(num_arrivals=1, num_barriers=2), plgpu.Barrier(num_arrivals=1)])
     def kernel(*refs):
-        x_gmem, ws = refs[0], refs[1:1 + layers]
-        o_gmem, w_smem, x_smem, o_smem, w_ready, x_ready = refs[1 + layers:]
+        n_w = 1 if stacked else layers
+        x_gmem, ws = refs[0], refs[1:1 + n_w]
+        o_gmem, w_smem, x_smem, o_smem, w_ready, x_ready = refs[1 + n_w:]
         sems = [pl.get_global(plgpu.SemaphoreType.REGULAR) for _ in range(layers)]
         i = lax.axis_index("i")
         mine = pl.ds(i * OUT_PER_PROGRAM, OUT_PER_PROGRAM)
@@ -178,7 +184,9 @@ def persistent_chain(programs: int, layers: int, prefetch: bool, fence: bool, si
         def load_weights(l):
             if not weights:
                 return
-            plgpu.copy_gmem_to_smem(ws[l].at[pl.ds(i * TILE_ROWS, TILE_ROWS)], w_smem.at[l % 2], w_ready.at[l % 2])
+            src = ws[0].at[pl.ds(l * programs * TILE_ROWS + i * TILE_ROWS, TILE_ROWS)] if stacked else \
+                ws[l].at[pl.ds(i * TILE_ROWS, TILE_ROWS)]
+            plgpu.copy_gmem_to_smem(src, w_smem.at[l % 2], w_ready.at[l % 2])
 
         if prefetch:
             load_weights(0)
@@ -217,7 +225,7 @@ def persistent_chain(programs: int, layers: int, prefetch: bool, fence: bool, si
                 plgpu.semaphore_wait(sems[l], programs, decrement=True, memory_scope="gpu")
 
     def run(x, weights):
-        return kernel(x, *weights)[-1]
+        return kernel(x, weights)[-1] if stacked else kernel(x, *weights)[-1]
 
     return run
 
@@ -261,7 +269,7 @@ def chain(variant: str, programs: int, layers: int):
     if variant.startswith(("persistent", "barrier_only")):
         whole = persistent_chain(programs, layers, prefetch=variant != "persistent_late",
                                  fence=variant == "persistent_fence", signal="gpu" if variant.endswith("_gpu") else "pallas",
-                                 weights=not variant.startswith("barrier_only"))
+                                 weights=not variant.startswith("barrier_only"), stacked="_stacked" in variant)
         return jax.jit(whole)
     if variant == "reference_halving":
         return jax.jit(lambda x, weights: x * 0.5 ** layers)
@@ -345,7 +353,9 @@ def main(argv=None) -> int:
     if args.lower_only:
         for v in variants:
             with pallas_path.lowering_for_gpu(), uses_pdl_attribute(v.endswith("_attr")):
-                text = chain(v, programs, args.layers).trace(x_shape, w_shapes).lower(
+                ws_arg = jax.ShapeDtypeStruct((args.layers * rows, TILE_COLS), jnp.bfloat16) if "_stacked" in v \
+                    else w_shapes
+                text = chain(v, programs, args.layers).trace(x_shape, ws_arg).lower(
                     lowering_platforms=("cuda",)).as_text()
             results["variants"][v] = {"lowered_chars": len(text), "mosaic_calls": text.count("mosaic_gpu"),
                                       "kernels": text.count("stablehlo.custom_call"),
@@ -365,7 +375,9 @@ def main(argv=None) -> int:
     for v in variants:
         with uses_pdl_attribute(v.endswith("_attr")):
             want = np.asarray(x0) * 0.5 ** args.layers if v.startswith("barrier_only") else expected
-            entry = measure(v, programs, args, x0, weights, want, nbytes)
+            ws_arg = jnp.concatenate(weights) if "_stacked" in v else weights
+            entry = measure(v, programs, args, x0, ws_arg, want, nbytes)
+            del ws_arg
         results["variants"][v] = entry
         json.dump(results, open(os.path.join(args.out, "probe_pdl.json"), "w"), indent=1)
     json.dump(results, open(os.path.join(args.out, "probe_pdl.json"), "w"), indent=1)
