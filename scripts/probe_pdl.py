@@ -37,6 +37,9 @@ slice of the previous layer's output. Variants (same arithmetic, same bytes):
   persistent_stacked, persistent_stacked_gpu
                   persistent / persistent_gpu with the 49 weights passed as one stacked array (one TMA descriptor
                   for all layers; the chain's program receives the stacked array, built once outside it)
+  persistent_stacked_gpu_split
+                  persistent_stacked_gpu with its two weight buffers as two scratch refs (static shared-memory
+                  addresses for the TMA and the sum; not yet run on a GPU)
   mosaic_pdl_attr, mosaic_pdl_late_attr
                   mosaic_pdl / mosaic_pdl_late with `uses_pdl = true` added to the custom call's backend config: XLA's
                   FFI custom-call thunk reads that attribute (when --xla_gpu_enable_pdl is on) to give the call a
@@ -78,7 +81,7 @@ from flint_jax import device_trace, pallas_path  # noqa: E402
 TILE_ROWS, TILE_COLS, OUT_PER_PROGRAM = 128, 256, 128
 VARIANTS = ("triton", "mosaic", "mosaic_pdl", "mosaic_pdl_late", "mixed", "mosaic_pdl_attr", "mosaic_pdl_late_attr",
             "persistent", "persistent_late", "persistent_fence", "persistent_gpu", "barrier_only", "barrier_only_gpu",
-            "persistent_stacked", "persistent_stacked_gpu")
+            "persistent_stacked", "persistent_stacked_gpu", "persistent_stacked_gpu_split")
 
 
 @contextlib.contextmanager
@@ -137,7 +140,7 @@ def mosaic_layer(programs: int, pdl: bool, weights_before_wait: bool):
 
 
 def persistent_chain(programs: int, layers: int, prefetch: bool, fence: bool, signal: str = "pallas",
-                     weights: bool = True, stacked: bool = False):
+                     weights: bool = True, stacked: bool = False, split_buffers: bool = False):
     """All `layers` layers as one Mosaic GPU kernel (variant `persistent*`): out[l, i] = x_l[i] / 2 + 1e-6 * sum(tile).
 
     Semaphores: pl.get_global gives `layers` counters that persist across calls and must be zero again at exit.
@@ -148,7 +151,9 @@ def persistent_chain(programs: int, layers: int, prefetch: bool, fence: bool, si
     signal="pallas": pl.semaphore_signal (a relaxed system-scope add, then a system-scope release fence);
     "gpu": a warpgroup barrier, then one thread's GPU-scope acq_rel fence and relaxed add. weights=False: no weight
     tiles at all, out = x / 2 (the synchronisation chain alone). stacked: the layers' weights come as one
-    [layers * rows, cols] array (one TMA descriptor instead of one per layer)."""
+    [layers * rows, cols] array (one TMA descriptor instead of one per layer). split_buffers: the two weight buffers
+    as two shared-memory scratch refs instead of one [2, rows, cols] ref, whose slots Mosaic GPU reads through a
+    memref with a dynamic offset (`strided<[256, 1], offset: ?>` after layout inference)."""
     import jax.experimental.mosaic.gpu as mgpu
     from jax._src.lib.mlir import ir
 
@@ -170,13 +175,15 @@ def persistent_chain(programs: int, layers: int, prefetch: bool, fence: bool, si
         plgpu.kernel,
         out_type=jax.ShapeDtypeStruct((layers, programs * OUT_PER_PROGRAM), jnp.float32),
         grid=(programs,), grid_names=("i",),
-        scratch_types=[plgpu.SMEM((2, TILE_ROWS, TILE_COLS), jnp.bfloat16),
+        scratch_types=[*([plgpu.SMEM((TILE_ROWS, TILE_COLS), jnp.bfloat16)] * 2 if split_buffers else
+                         [plgpu.SMEM((2, TILE_ROWS, TILE_COLS), jnp.bfloat16)]),
                        plgpu.SMEM((OUT_PER_PROGRAM,), jnp.float32), plgpu.SMEM((OUT_PER_PROGRAM,), jnp.float32),
                        plgpu.Barrier(num_arrivals=1, num_barriers=2), plgpu.Barrier(num_arrivals=1)])
     def kernel(*refs):
         n_w = 1 if stacked else layers
         x_gmem, ws = refs[0], refs[1:1 + n_w]
-        o_gmem, w_smem, x_smem, o_smem, w_ready, x_ready = refs[1 + n_w:]
+        o_gmem, *w_bufs, x_smem, o_smem, w_ready, x_ready = refs[1 + n_w:]
+        w_smem = w_bufs if split_buffers else w_bufs[0]  # w_smem[slot]: a scratch ref, or a slot of one
         sems = [pl.get_global(plgpu.SemaphoreType.REGULAR) for _ in range(layers)]
         i = lax.axis_index("i")
         mine = pl.ds(i * OUT_PER_PROGRAM, OUT_PER_PROGRAM)
@@ -186,7 +193,8 @@ def persistent_chain(programs: int, layers: int, prefetch: bool, fence: bool, si
                 return
             src = ws[0].at[pl.ds(l * programs * TILE_ROWS + i * TILE_ROWS, TILE_ROWS)] if stacked else \
                 ws[l].at[pl.ds(i * TILE_ROWS, TILE_ROWS)]
-            plgpu.copy_gmem_to_smem(src, w_smem.at[l % 2], w_ready.at[l % 2])
+            dst = w_smem[l % 2] if split_buffers else w_smem.at[l % 2]
+            plgpu.copy_gmem_to_smem(src, dst, w_ready.at[l % 2])
 
         if prefetch:
             load_weights(0)
@@ -205,7 +213,8 @@ def persistent_chain(programs: int, layers: int, prefetch: bool, fence: bool, si
             plgpu.copy_gmem_to_smem(src.at[mine], x_smem, x_ready)
             if weights:
                 plgpu.barrier_wait(w_ready.at[l % 2])
-                total = jnp.sum(w_smem[l % 2].astype(jnp.float32))
+                tile = w_smem[l % 2][...] if split_buffers else w_smem[l % 2]
+                total = jnp.sum(tile.astype(jnp.float32))
             plgpu.barrier_wait(x_ready)
             o_smem[...] = x_smem[...] * 0.5 + total * 1e-6 if weights else x_smem[...] * 0.5
             plgpu.commit_smem()
@@ -269,7 +278,8 @@ def chain(variant: str, programs: int, layers: int):
     if variant.startswith(("persistent", "barrier_only")):
         whole = persistent_chain(programs, layers, prefetch=variant != "persistent_late",
                                  fence=variant == "persistent_fence", signal="gpu" if variant.endswith("_gpu") else "pallas",
-                                 weights=not variant.startswith("barrier_only"), stacked="_stacked" in variant)
+                                 weights=not variant.startswith("barrier_only"), stacked="_stacked" in variant,
+                                 split_buffers=variant.endswith("_split"))
         return jax.jit(whole)
     if variant == "reference_halving":
         return jax.jit(lambda x, weights: x * 0.5 ** layers)
