@@ -40,6 +40,8 @@ slice of the previous layer's output. Variants (same arithmetic, same bytes):
   persistent_stacked_gpu_split
                   persistent_stacked_gpu with its two weight buffers as two scratch refs (static shared-memory
                   addresses for the TMA and the sum; not yet run on a GPU)
+  persistent_stacked_gpu_split_xfirst
+                  the same with the next tile's prefetch issued after the wait and the small load (not yet run)
   mosaic_pdl_attr, mosaic_pdl_late_attr
                   mosaic_pdl / mosaic_pdl_late with `uses_pdl = true` added to the custom call's backend config: XLA's
                   FFI custom-call thunk reads that attribute (when --xla_gpu_enable_pdl is on) to give the call a
@@ -81,7 +83,8 @@ from flint_jax import device_trace, pallas_path  # noqa: E402
 TILE_ROWS, TILE_COLS, OUT_PER_PROGRAM = 128, 256, 128
 VARIANTS = ("triton", "mosaic", "mosaic_pdl", "mosaic_pdl_late", "mixed", "mosaic_pdl_attr", "mosaic_pdl_late_attr",
             "persistent", "persistent_late", "persistent_fence", "persistent_gpu", "barrier_only", "barrier_only_gpu",
-            "persistent_stacked", "persistent_stacked_gpu", "persistent_stacked_gpu_split")
+            "persistent_stacked", "persistent_stacked_gpu", "persistent_stacked_gpu_split",
+            "persistent_stacked_gpu_split_xfirst")
 
 
 @contextlib.contextmanager
@@ -140,7 +143,8 @@ def mosaic_layer(programs: int, pdl: bool, weights_before_wait: bool):
 
 
 def persistent_chain(programs: int, layers: int, prefetch: bool, fence: bool, signal: str = "pallas",
-                     weights: bool = True, stacked: bool = False, split_buffers: bool = False):
+                     weights: bool = True, stacked: bool = False, split_buffers: bool = False,
+                     x_first: bool = False):
     """All `layers` layers as one Mosaic GPU kernel (variant `persistent*`): out[l, i] = x_l[i] / 2 + 1e-6 * sum(tile).
 
     Semaphores: pl.get_global gives `layers` counters that persist across calls and must be zero again at exit.
@@ -153,7 +157,9 @@ def persistent_chain(programs: int, layers: int, prefetch: bool, fence: bool, si
     tiles at all, out = x / 2 (the synchronisation chain alone). stacked: the layers' weights come as one
     [layers * rows, cols] array (one TMA descriptor instead of one per layer). split_buffers: the two weight buffers
     as two shared-memory scratch refs instead of one [2, rows, cols] ref, whose slots Mosaic GPU reads through a
-    memref with a dynamic offset (`strided<[256, 1], offset: ?>` after layout inference)."""
+    memref with a dynamic offset (`strided<[256, 1], offset: ?>` after layout inference). x_first: issue the next
+    layer's weight prefetch after this layer's wait and its load of the previous output (which the layer waits for),
+    not before the wait, so that the small load is not queued behind a 64 KiB tile."""
     import jax.experimental.mosaic.gpu as mgpu
     from jax._src.lib.mlir import ir
 
@@ -199,7 +205,7 @@ def persistent_chain(programs: int, layers: int, prefetch: bool, fence: bool, si
         if prefetch:
             load_weights(0)
         for l in range(layers):
-            if prefetch and l + 1 < layers:
+            if prefetch and l + 1 < layers and not x_first:
                 load_weights(l + 1)  # its slot was last read by layer l - 1, finished above
             if l > 0:
                 plgpu.semaphore_wait(sems[l - 1], programs, decrement=False, memory_scope="gpu")
@@ -211,6 +217,8 @@ def persistent_chain(programs: int, layers: int, prefetch: bool, fence: bool, si
                 load_weights(l)
             src = x_gmem if l == 0 else o_gmem.at[l - 1]
             plgpu.copy_gmem_to_smem(src.at[mine], x_smem, x_ready)
+            if prefetch and l + 1 < layers and x_first:
+                load_weights(l + 1)
             if weights:
                 plgpu.barrier_wait(w_ready.at[l % 2])
                 tile = w_smem[l % 2][...] if split_buffers else w_smem[l % 2]
@@ -279,7 +287,7 @@ def chain(variant: str, programs: int, layers: int):
         whole = persistent_chain(programs, layers, prefetch=variant != "persistent_late",
                                  fence=variant == "persistent_fence", signal="gpu" if variant.endswith("_gpu") else "pallas",
                                  weights=not variant.startswith("barrier_only"), stacked="_stacked" in variant,
-                                 split_buffers=variant.endswith("_split"))
+                                 split_buffers="_split" in variant, x_first=variant.endswith("_xfirst"))
         return jax.jit(whole)
     if variant == "reference_halving":
         return jax.jit(lambda x, weights: x * 0.5 ** layers)
