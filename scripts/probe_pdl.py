@@ -151,7 +151,7 @@ def persistent_chain(programs: int, layers: int, prefetch: bool, fence: bool, si
     Program p adds 1 to sems[l] after storing layer l; a program waits for sems[l - 1] == programs (no decrement)
     before reading layer l - 1's output. Program 0 resets them: once it has seen sems[l] full, every program has
     passed its wait on sems[l - 1] (it signalled sems[l] after that wait), so it takes sems[l - 1] back to 0 (a
-    decrementing wait), and sems[layers - 1] at the end. Needs every program resident at once (one per SM).
+    decrementing wait), and the last two at the end. Needs every program resident at once (one per SM).
     signal="pallas": pl.semaphore_signal (a relaxed system-scope add, then a system-scope release fence);
     "gpu": a warpgroup barrier, then one thread's GPU-scope acq_rel fence and relaxed add. weights=False: no weight
     tiles at all, out = x / 2 (the synchronisation chain alone). stacked: the layers' weights come as one
@@ -285,12 +285,10 @@ def chain(variant: str, programs: int, layers: int):
     }.get(variant)
     if variant.startswith(("persistent", "barrier_only")):
         whole = persistent_chain(programs, layers, prefetch=variant != "persistent_late",
-                                 fence=variant == "persistent_fence", signal="gpu" if variant.endswith("_gpu") else "pallas",
+                                 fence=variant == "persistent_fence", signal="gpu" if "_gpu" in variant else "pallas",
                                  weights=not variant.startswith("barrier_only"), stacked="_stacked" in variant,
                                  split_buffers="_split" in variant, x_first=variant.endswith("_xfirst"))
         return jax.jit(whole)
-    if variant == "reference_halving":
-        return jax.jit(lambda x, weights: x * 0.5 ** layers)
 
     @jax.jit
     def run(x, weights):
@@ -377,6 +375,7 @@ def main(argv=None) -> int:
                     lowering_platforms=("cuda",)).as_text()
             results["variants"][v] = {"lowered_chars": len(text), "mosaic_calls": text.count("mosaic_gpu"),
                                       "kernels": text.count("stablehlo.custom_call"),
+                                      "gpu_scope_signal": "red.relaxed.gpu" in text,
                                       "uses_pdl": text.count("mosaic_gpu.uses_pdl"),
                                       "uses_pdl_config": text.count("uses_pdl = true")}
             print(f"[probe_pdl] {v}: lowered ({len(text)} chars, uses_pdl x{text.count('mosaic_gpu.uses_pdl')})",

@@ -253,6 +253,7 @@ def test_mosaic_gpu_probes_lower_for_cuda(tmp_path):
     assert pdl["mosaic_pdl"]["uses_pdl_config"] == 0 and pdl["mosaic_pdl_attr"]["uses_pdl_config"] == 2
     assert pdl["mosaic"]["kernels"] == 2  # one kernel per layer
     assert all(pdl[v]["kernels"] == 1 for v in pdl if v.startswith(("persistent", "barrier_only")))  # one chain
+    assert all(pdl[v]["gpu_scope_signal"] == ("_gpu" in v) for v in pdl)  # the signal each variant names
     run_script("probe_mosaic_gemv.py", "--out", str(tmp_path / "gemv"), "--lower-only", "--shapes", "o_proj",
                "--splits", "2", "--weights", "bf16,nvfp4")
     gemv = json.loads((tmp_path / "gemv" / "probe_mosaic_gemv.json").read_text())
