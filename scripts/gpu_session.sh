@@ -35,6 +35,8 @@
 #   splits_fit   decode_attention.SPLITS_FIT_MAX_LEN: its compiled tests, then the NVFP4 step on a 2,040-token BF16
 #                cache (8 against 64 full-layer splits) and, on an H200, on an 8,192-token FP8 cache (64 against 128)
 #   splits_fit_8k  only the latter
+#   persistent   scripts/probe_pdl.py's persistent Mosaic GPU chain against one kernel per layer, one process per
+#                variant ($PERSISTENT_VARIANTS; default: the two not yet run after runs FM-FO, their base, `mosaic`)
 # Run from the repo root through the device tool with carry=[".whl"] (the gguf wheel), e.g.
 #   bash scripts/gpu_session.sh 560 tests profile
 # Each part writes under a work folder; at the end everything is packed into $OUT/gpu_session.tgz (the device tool
@@ -131,6 +133,11 @@ for p in $parts; do
              splits_fit_step splits_fit_2k 2040 bf16  # the engine's 2,048-slot cache: 8 full-layer splits, not 64
              grep -q H200 "$work/gpu.txt" && splits_fit_step splits_fit_8k 8192 fp8 ;;  # 64, not 128
     splits_fit_8k) splits_fit_step splits_fit_8k 8192 fp8 ;;
+    persistent) for v in ${PERSISTENT_VARIANTS:-persistent_stacked_gpu_split persistent_stacked_gpu_split_xfirst \
+                   persistent_stacked_gpu mosaic}; do  # one process each: a hung kernel costs only its limit
+                  part "persistent_$v" ${PERSISTENT_LIMIT:-90} python3 scripts/probe_pdl.py \
+                    --out "$work/persistent_$v" --variants "$v" --steps 20
+                done ;;
     *) echo "unknown part $p" | tee -a "$work/summary.txt" ;;
   esac
 done
