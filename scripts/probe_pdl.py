@@ -81,10 +81,22 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from flint_jax import device_trace, pallas_path  # noqa: E402
 
 TILE_ROWS, TILE_COLS, OUT_PER_PROGRAM = 128, 256, 128
+# The persistent variants: persistent_chain's options by name (the docstring above says what each one tests).
+GPU, STACKED = {"signal": "gpu"}, {"stacked": True}
+PERSISTENT = {
+    "persistent": {},
+    "persistent_late": {"prefetch": False},
+    "persistent_fence": {"fence": True},
+    "persistent_gpu": GPU,
+    "barrier_only": {"weights": False},
+    "barrier_only_gpu": {"weights": False, **GPU},
+    "persistent_stacked": STACKED,
+    "persistent_stacked_gpu": {**STACKED, **GPU},
+    "persistent_stacked_gpu_split": {**STACKED, **GPU, "split_buffers": True},
+    "persistent_stacked_gpu_split_xfirst": {**STACKED, **GPU, "split_buffers": True, "x_first": True},
+}
 VARIANTS = ("triton", "mosaic", "mosaic_pdl", "mosaic_pdl_late", "mixed", "mosaic_pdl_attr", "mosaic_pdl_late_attr",
-            "persistent", "persistent_late", "persistent_fence", "persistent_gpu", "barrier_only", "barrier_only_gpu",
-            "persistent_stacked", "persistent_stacked_gpu", "persistent_stacked_gpu_split",
-            "persistent_stacked_gpu_split_xfirst")
+            *PERSISTENT)
 
 
 @contextlib.contextmanager
@@ -142,7 +154,7 @@ def mosaic_layer(programs: int, pdl: bool, weights_before_wait: bool):
     return kernel
 
 
-def persistent_chain(programs: int, layers: int, prefetch: bool, fence: bool, signal: str = "pallas",
+def persistent_chain(programs: int, layers: int, prefetch: bool = True, fence: bool = False, signal: str = "pallas",
                      weights: bool = True, stacked: bool = False, split_buffers: bool = False,
                      x_first: bool = False):
     """All `layers` layers as one Mosaic GPU kernel (variant `persistent*`): out[l, i] = x_l[i] / 2 + 1e-6 * sum(tile).
@@ -272,7 +284,10 @@ def reference_layer(x, w):
 
 
 def chain(variant: str, programs: int, layers: int):
-    """The jitted program: `layers` dependent kernels, layer l reading weights[l]."""
+    """The jitted program: `layers` dependent kernels, layer l reading weights[l] (a persistent variant: one kernel
+    reading all of them, or their stacked array)."""
+    if variant in PERSISTENT:
+        return jax.jit(persistent_chain(programs, layers, **PERSISTENT[variant]))
     kinds = {
         "triton": [triton_layer(programs)] * layers,
         "mosaic": [mosaic_layer(programs, False, True)] * layers,
@@ -282,13 +297,7 @@ def chain(variant: str, programs: int, layers: int):
         "mosaic_pdl_late_attr": [mosaic_layer(programs, True, False)] * layers,
         "mixed": [triton_layer(programs) if l % 2 == 0 else mosaic_layer(programs, True, True) for l in range(layers)],
         "reference": [reference_layer] * layers,
-    }.get(variant)
-    if variant.startswith(("persistent", "barrier_only")):
-        whole = persistent_chain(programs, layers, prefetch=variant != "persistent_late",
-                                 fence=variant == "persistent_fence", signal="gpu" if "_gpu" in variant else "pallas",
-                                 weights=not variant.startswith("barrier_only"), stacked="_stacked" in variant,
-                                 split_buffers="_split" in variant, x_first=variant.endswith("_xfirst"))
-        return jax.jit(whole)
+    }[variant]
 
     @jax.jit
     def run(x, weights):
@@ -369,8 +378,8 @@ def main(argv=None) -> int:
     if args.lower_only:
         for v in variants:
             with pallas_path.lowering_for_gpu(), uses_pdl_attribute(v.endswith("_attr")):
-                ws_arg = jax.ShapeDtypeStruct((args.layers * rows, TILE_COLS), jnp.bfloat16) if "_stacked" in v \
-                    else w_shapes
+                ws_arg = jax.ShapeDtypeStruct((args.layers * rows, TILE_COLS), jnp.bfloat16) \
+                    if PERSISTENT.get(v, {}).get("stacked") else w_shapes
                 text = chain(v, programs, args.layers).trace(x_shape, ws_arg).lower(
                     lowering_platforms=("cuda",)).as_text()
             results["variants"][v] = {"lowered_chars": len(text), "mosaic_calls": text.count("mosaic_gpu"),
@@ -389,12 +398,14 @@ def main(argv=None) -> int:
     x0 = jnp.linspace(-1.0, 1.0, programs * OUT_PER_PROGRAM, dtype=jnp.float32)
     expected = np.asarray(chain("reference", programs, args.layers)(x0, weights))
     nbytes = args.layers * rows * TILE_COLS * 2
+    stacked = None  # built once, for the first variant that reads the weights as one array
     for v in variants:
+        options = PERSISTENT.get(v, {})
+        if options.get("stacked") and stacked is None:
+            stacked = jnp.concatenate(weights)
         with uses_pdl_attribute(v.endswith("_attr")):
-            want = np.asarray(x0) * 0.5 ** args.layers if v.startswith("barrier_only") else expected
-            ws_arg = jnp.concatenate(weights) if "_stacked" in v else weights
-            entry = measure(v, programs, args, x0, ws_arg, want, nbytes)
-            del ws_arg
+            want = expected if options.get("weights", True) else np.asarray(x0) * 0.5 ** args.layers
+            entry = measure(v, programs, args, x0, stacked if options.get("stacked") else weights, want, nbytes)
         results["variants"][v] = entry
         json.dump(results, open(os.path.join(args.out, "probe_pdl.json"), "w"), indent=1)
     json.dump(results, open(os.path.join(args.out, "probe_pdl.json"), "w"), indent=1)
